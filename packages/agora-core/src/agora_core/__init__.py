@@ -1,0 +1,41 @@
+"""agora-core: wire format, RPC, link emulation, configuration, logging and metrics."""
+
+from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray
+from agora_core.errors import (
+    AgoraError,
+    BadRequest,
+    ConfigError,
+    DeadlineExceeded,
+    HandlerFailed,
+    LimitExceeded,
+    MalformedMessage,
+    Overloaded,
+    PeerUnreachable,
+    RpcError,
+    StreamError,
+    UnknownMethod,
+    UnsupportedProtocolVersion,
+    WireError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "AgoraError",
+    "BadRequest",
+    "ConfigError",
+    "DeadlineExceeded",
+    "HandlerFailed",
+    "LimitExceeded",
+    "MalformedMessage",
+    "Overloaded",
+    "PeerUnreachable",
+    "RpcError",
+    "StreamError",
+    "TaggedArray",
+    "UnknownMethod",
+    "UnsupportedProtocolVersion",
+    "WireError",
+    "__version__",
+]

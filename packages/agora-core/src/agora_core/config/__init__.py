@@ -1,0 +1,36 @@
+"""Run configuration (one TOML per run) and node-local settings (flags and AGORA_* env)."""
+
+from agora_core.config.loader import build, require
+from agora_core.config.node import NodeSettings
+from agora_core.config.run import (
+    AdmissionConfig,
+    AveragingConfig,
+    ClippingConfig,
+    DataConfig,
+    DhtConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    SyncConfig,
+    TransportConfig,
+    load_run_config,
+    parse_run_config,
+)
+
+__all__ = [
+    "AdmissionConfig",
+    "AveragingConfig",
+    "ClippingConfig",
+    "DataConfig",
+    "DhtConfig",
+    "ModelConfig",
+    "NodeSettings",
+    "OptimizerConfig",
+    "RunConfig",
+    "SyncConfig",
+    "TransportConfig",
+    "build",
+    "load_run_config",
+    "parse_run_config",
+    "require",
+]

@@ -1,0 +1,76 @@
+"""Node-local settings: what differs per machine, never per run.
+
+Precedence, lowest first: defaults, ``AGORA_<NAME>`` environment variables, CLI flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from agora_core.config.loader import build, coerce, field_types, require
+from agora_core.linkemu import LinkConfig
+
+ENV_PREFIX = "AGORA_"
+
+
+def default_key_file() -> str:
+    return str(Path("~/.agora/node.key").expanduser())
+
+
+@dataclass(kw_only=True, frozen=True)
+class NodeSettings:
+    listen: str = "127.0.0.1:0"  # host:port to serve RPC on; port 0 picks a free port
+    advertise: str | None = None  # address others should dial, when it differs from listen
+    key_file: str = dataclasses.field(default_factory=default_key_file)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (workers only)
+    host_memory_limit_bytes: int | None = None  # self-terminate above this RSS (workers)
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free)
+    metrics_push_gateway: str | None = None  # or push to this gateway (host:port)
+    log_format: Literal["auto", "console", "json"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    link: str | None = None  # emulated link, e.g. "up=200M,down=200M,latency=50ms,jitter=5ms"
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        require(bool(sep and host) and port.isdigit(), "listen", f"expected host:port, got {self.listen!r}")
+        require(
+            self.metrics_port is None or 0 <= self.metrics_port < 65536,
+            "metrics_port",
+            "must lie in [0, 65535]",
+        )
+        require(
+            self.host_memory_limit_bytes is None or self.host_memory_limit_bytes > 0,
+            "host_memory_limit_bytes",
+            "must be positive",
+        )
+        if self.link is not None:
+            try:
+                LinkConfig.parse(self.link)
+            except ValueError as exc:
+                require(False, "link", str(exc))
+
+    @property
+    def link_config(self) -> LinkConfig | None:
+        return LinkConfig.parse(self.link) if self.link else None
+
+    @classmethod
+    def resolve(
+        cls,
+        flags: Mapping[str, Any] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> NodeSettings:
+        """Defaults, overridden by ``AGORA_*`` variables, overridden by non-None ``flags``."""
+        environ = os.environ if environ is None else environ
+        from_env: dict[str, Any] = {}
+        for name, tp in field_types(cls).items():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                from_env[name] = coerce(tp, raw, ENV_PREFIX + name.upper(), from_string=True)
+        chosen = {**from_env, **{k: v for k, v in (flags or {}).items() if v is not None}}
+        return build(cls, chosen)

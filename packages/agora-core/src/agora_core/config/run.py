@@ -1,0 +1,264 @@
+"""The run config: one TOML file every node of a run loads.
+
+Defaults are the published Pluralis-8B run's values where the report states them (marked
+"report"); the rest are conventional choices for a model of that size (marked "assumed").
+``examples/`` holds small configs that run on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from agora_core.config.loader import build, require
+from agora_core.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    kind: Literal["transformer", "surrogate"] = "transformer"  # surrogate: linear test stages
+    d_model: int = 5120  # report: d = 5120
+    n_heads: int = 40  # assumed: 128-dim heads
+    mlp_ratio: float = 3.0  # assumed; hidden = mlp_ratio * d_model
+    subspace_rank: int = 51  # report: rank k ~ 51 for the residual subspace U_k
+    vocab_size: int = 32000  # assumed
+    seq_len: int = 2048  # assumed; tokens per sample
+    # Transformer blocks per stage, head first and tail last. Report: 32 blocks in 7 stages,
+    # 6 in the head and the tail, 4 in each body.
+    stage_layers: tuple[int, ...] = (6, 4, 4, 4, 4, 4, 6)
+
+    def __post_init__(self) -> None:
+        require(self.d_model > 0, "d_model", "must be positive")
+        require(self.n_heads > 0, "n_heads", "must be positive")
+        require(
+            self.d_model % self.n_heads == 0,
+            "n_heads",
+            f"must divide d_model ({self.d_model})",
+        )
+        require(self.mlp_ratio > 0, "mlp_ratio", "must be positive")
+        require(
+            0 < self.subspace_rank <= self.d_model,
+            "subspace_rank",
+            f"must lie in [1, d_model={self.d_model}]",
+        )
+        require(self.vocab_size > 0, "vocab_size", "must be positive")
+        require(self.seq_len > 0, "seq_len", "must be positive")
+        require(len(self.stage_layers) >= 2, "stage_layers", "needs at least a head and a tail")
+        require(all(n >= 0 for n in self.stage_layers), "stage_layers", "layer counts must be >= 0")
+        require(sum(self.stage_layers) > 0, "stage_layers", "the model needs at least one block")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.stage_layers)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    tokenizer: Literal["bytes"] = "bytes"  # byte-level: no download needed
+    shuffle_seed: int = 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    lr: float = 3.0e-4  # assumed peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 2000  # assumed
+    total_steps: int = 100_000  # assumed; length of the cosine schedule
+    betas: tuple[float, ...] = (0.9, 0.95)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.1
+    # Samples the stage's workers accumulate together before each takes its optimizer step.
+    target_batch_size: int = 1024  # assumed
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", "must be positive")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must lie in [0, 1]")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.total_steps > 0, "total_steps", "must be positive")
+        require(len(self.betas) == 2, "betas", "must be [beta1, beta2]")
+        require(all(0 <= b < 1 for b in self.betas), "betas", "each beta must lie in [0, 1)")
+        require(self.eps > 0, "eps", "must be positive")
+        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(self.target_batch_size > 0, "target_batch_size", "must be positive")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClippingConfig:
+    # report: stage-wise clipping, a unit squared-norm budget split evenly over S stages
+    # (threshold norm_budget / sqrt(S)), doubled for the tail.
+    norm_budget: float = 1.0
+    tail_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        require(self.norm_budget > 0, "norm_budget", "must be positive")
+        require(self.tail_factor > 0, "tail_factor", "must be positive")
+
+    def threshold(self, stage: int, n_stages: int) -> float:
+        base = self.norm_budget / math.sqrt(n_stages)
+        return base * self.tail_factor if stage == n_stages - 1 else base
+
+
+@dataclass(kw_only=True, frozen=True)
+class AveragingConfig:
+    enabled: bool = True
+    segments: int = 20  # report: 5% of the weights per round
+    cadence_steps: int = 20  # report: one round every 20 optimizer steps
+    matchmaking_window_s: float = 40.0  # report
+    round_timeout_s: float = 150.0
+    chunk_timeout_s: float = 30.0  # a sender missing this per-chunk deadline is banned
+    chunk_bytes: int = 2 * MiB  # report: 16 Mbit chunks
+    compression: Literal["auto", "none"] = "auto"  # auto: LZ4 per chunk when it pays
+    # Who may reduce: "all" peers, or only the node ids listed in ``reducer_ids``.
+    reducers: Literal["all", "listed"] = "all"
+    reducer_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(self.segments >= 1, "segments", "must be >= 1")
+        require(self.cadence_steps >= 1, "cadence_steps", "must be >= 1")
+        for name in ("matchmaking_window_s", "round_timeout_s", "chunk_timeout_s"):
+            require(getattr(self, name) > 0, name, "must be positive")
+        require(
+            self.round_timeout_s > self.matchmaking_window_s,
+            "round_timeout_s",
+            f"must exceed matchmaking_window_s ({self.matchmaking_window_s})",
+        )
+        require(self.chunk_bytes >= 4096, "chunk_bytes", "must be at least 4096")
+        require(
+            self.reducers != "listed" or bool(self.reducer_ids),
+            "reducer_ids",
+            'must name at least one node when reducers = "listed"',
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyncConfig:
+    # report: a stale joiner first averages at weight 0 for a full pass of SPARTA
+    # (20 rounds x 20 steps), then warms its optimizer on live batches for 100 steps.
+    weight_sync_steps: int = 400
+    optimizer_sync_steps: int = 100
+    stale_after_steps: int = 20  # downloaded state older than this enters the sync phases
+
+    def __post_init__(self) -> None:
+        for name in ("weight_sync_steps", "optimizer_sync_steps", "stale_after_steps"):
+            require(getattr(self, name) >= 0, name, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DhtConfig:
+    replication: int = 3  # R nodes closest to a key's hash hold it
+    gossip_period_s: float = 1.0
+    probe_timeout_s: float = 0.5
+    indirect_probes: int = 3  # k peers asked to probe a silent node
+    suspicion_timeout_s: float = 5.0
+    record_ttl_s: float = 60.0  # default expiry of announcements; owners refresh before it
+    max_expiration_ahead_s: float = 3600.0
+    max_clock_skew_s: float = 30.0
+    max_value_bytes: int = 64 * 1024
+    max_subkeys: int = 4096
+
+    def __post_init__(self) -> None:
+        require(self.replication >= 1, "replication", "must be >= 1")
+        require(self.indirect_probes >= 0, "indirect_probes", "must be >= 0")
+        for name in (
+            "gossip_period_s",
+            "probe_timeout_s",
+            "suspicion_timeout_s",
+            "record_ttl_s",
+            "max_expiration_ahead_s",
+            "max_clock_skew_s",
+        ):
+            require(getattr(self, name) > 0, name, "must be positive")
+        require(
+            self.probe_timeout_s < self.gossip_period_s,
+            "probe_timeout_s",
+            f"must be shorter than gossip_period_s ({self.gossip_period_s})",
+        )
+        require(self.max_value_bytes > 0, "max_value_bytes", "must be positive")
+        require(self.max_subkeys > 0, "max_subkeys", "must be positive")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TransportConfig:
+    chunk_bytes: int = 2 * MiB  # tensors are cut into chunks of this size on the wire
+    compression: bool = True  # LZ4 per chunk, only where it pays
+    max_message_bytes: int = 512 * MiB
+    request_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    stream_window: int = 8
+
+    def __post_init__(self) -> None:
+        require(4096 <= self.chunk_bytes <= 64 * MiB, "chunk_bytes", "must lie in [4 KiB, 64 MiB]")
+        require(self.max_message_bytes >= self.chunk_bytes, "max_message_bytes", "must be >= chunk_bytes")
+        require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
+        require(self.connect_timeout_s > 0, "connect_timeout_s", "must be positive")
+        require(self.stream_window >= 1, "stream_window", "must be >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class AdmissionConfig:
+    # open: no authorizer, anyone may join (private experiments). authorized: nodes need a
+    # credential signed by the authorizer whose public key is given here.
+    mode: Literal["open", "authorized"] = "open"
+    authorizer_public_key: str | None = None  # hex Ed25519 public key
+
+    def __post_init__(self) -> None:
+        if self.mode == "authorized":
+            key = self.authorizer_public_key or ""
+            require(
+                len(key) == 64 and all(c in "0123456789abcdefABCDEF" for c in key),
+                "authorizer_public_key",
+                'mode "authorized" needs the authorizer\'s 64-hex-digit Ed25519 public key',
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    name: str = "agora"
+    seed: int = 0  # derives the subspace basis, segment permutation and initial weights
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    clipping: ClippingConfig = field(default_factory=ClippingConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    dht: DhtConfig = field(default_factory=DhtConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        require(bool(self.name) and len(self.name) <= 64, "name", "must be 1-64 characters")
+        require(
+            self.model.vocab_size >= 256 or self.data.tokenizer != "bytes",
+            "model.vocab_size",
+            "the byte tokenizer needs vocab_size >= 256",
+        )
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and validate a run config TOML file. Raises ConfigError naming the bad key."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"run config {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
+    return build(RunConfig, data)
+
+
+def parse_run_config(text: str) -> RunConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"not valid TOML: {exc}") from None
+    return build(RunConfig, data)

@@ -1,0 +1,119 @@
+"""Prometheus metrics for one node, labelled by role, stage and instance.
+
+Every node owns a :class:`NodeMetrics`: a private registry (so many nodes can live in one
+process, as they do in tests) whose exported samples all carry ``role``, ``stage`` and
+``instance`` labels. Components declare their metrics through it with only their own,
+low-cardinality labels. Operator nodes are scraped (:meth:`NodeMetrics.serve_http`);
+contributors behind NAT push to a gateway (:meth:`NodeMetrics.push`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import push_to_gateway, start_http_server
+from prometheus_client.metrics_core import Metric
+
+NODE_LABELS = ("role", "stage", "instance")
+
+
+class _LabelledRegistry(CollectorRegistry):
+    """A registry that stamps the node's labels onto every sample it exports."""
+
+    def __init__(self, node_labels: dict[str, str]):
+        super().__init__()
+        self._node_labels = node_labels
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in super().collect():
+            stamped = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            stamped.samples = [
+                sample._replace(labels={**self._node_labels, **sample.labels}) for sample in metric.samples
+            ]
+            yield stamped
+
+
+class MetricsEndpoint:
+    """A running HTTP exposition endpoint; ``port`` is the bound port."""
+
+    def __init__(self, server, thread: threading.Thread):
+        self._server = server
+        self._thread = thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class NodeMetrics:
+    """The metrics registry of one node. Declaring the same metric twice returns the first."""
+
+    def __init__(self, *, role: str, stage: int | str | None = None, instance: str = ""):
+        self.labels = {
+            "role": role,
+            "stage": "" if stage is None else str(stage),
+            "instance": instance,
+        }
+        self.registry = _LabelledRegistry(self.labels)
+        self._metrics: dict[str, tuple[type, tuple[str, ...], object]] = {}
+        self._lock = threading.Lock()
+
+    def _declare(self, cls, name: str, documentation: str, labelnames: Sequence[str], **kwargs):
+        if not name.startswith("agora_"):
+            raise ValueError(f"metric {name!r} must carry the agora_ prefix")
+        clash = set(labelnames) & set(NODE_LABELS)
+        if clash:
+            raise ValueError(f"metric {name!r}: labels {sorted(clash)} are added per node")
+        labelnames = tuple(labelnames)
+        with self._lock:
+            known = self._metrics.get(name)
+            if known is not None:
+                if known[0] is not cls or known[1] != labelnames:
+                    raise ValueError(f"metric {name!r} already declared as {known[0].__name__}{known[1]}")
+                return known[2]
+            metric = cls(name, documentation, labelnames, registry=self.registry, **kwargs)
+            self._metrics[name] = (cls, labelnames, metric)
+            return metric
+
+    def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Counter:
+        return self._declare(Counter, name, documentation, labelnames)
+
+    def gauge(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
+        return self._declare(Gauge, name, documentation, labelnames)
+
+    def histogram(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float] = Histogram.DEFAULT_BUCKETS,
+    ) -> Histogram:
+        return self._declare(Histogram, name, documentation, labelnames, buckets=tuple(buckets))
+
+    def exposition(self) -> bytes:
+        """The current samples in Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def sample_value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """Value of one exported sample (node labels implied), or None; handy in tests/tools."""
+        wanted = {**self.labels, **(labels or {})}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name and sample.labels == wanted:
+                    return sample.value
+        return None
+
+    def serve_http(self, port: int = 0, host: str = "127.0.0.1") -> MetricsEndpoint:
+        """Serve ``/metrics`` for a Prometheus scraper; ``port=0`` picks a free port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsEndpoint(server, thread)
+
+    def push(self, gateway: str, *, job: str = "agora", timeout_s: float = 10.0) -> None:
+        """Push all samples to a Prometheus push gateway, grouped by this node's labels."""
+        grouping = {k: v for k, v in self.labels.items() if v}
+        push_to_gateway(gateway, job=job, registry=self.registry, grouping_key=grouping, timeout=timeout_s)

@@ -1,0 +1,350 @@
+"""The RPC server: one ROUTER socket, handlers registered by method name.
+
+Each request runs in its own task under the caller's deadline. Whatever arrives — garbage,
+truncated frames, oversized declarations, unknown methods, floods beyond the in-flight limit —
+is answered with a typed error when the sender can be identified, otherwise dropped, and in
+both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Union
+
+import zmq
+
+from agora_core.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    HandlerFailed,
+    LimitExceeded,
+    Overloaded,
+    RpcError,
+    StreamError,
+    UnknownMethod,
+    UnsupportedProtocolVersion,
+    WireError,
+)
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc.streams import ServerStream
+from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
+from agora_core.rpc.types import Payload, Request, RpcConfig
+from agora_core.wire import (
+    Kind,
+    Message,
+    check_header,
+    decode_tensors,
+    encode,
+    peek_request_id,
+    unpack_header,
+)
+
+UnaryHandler = Callable[[Request], Awaitable[Union[Payload, None]]]
+StreamHandler = Callable[[ServerStream], Awaitable[Union[Payload, None]]]
+
+log = get_logger("rpc.server")
+
+
+def _reject_reason(error: WireError) -> str:
+    if isinstance(error, LimitExceeded):
+        return "limit"
+    if isinstance(error, UnsupportedProtocolVersion):
+        return "version"
+    return "malformed"
+
+
+@dataclass(slots=True)
+class _Handler:
+    fn: Callable
+    streaming: bool
+
+
+@dataclass(slots=True)
+class _Call:
+    method: str
+    task: asyncio.Task | None = None
+    stream: ServerStream | None = None
+    cancelled_by_peer: bool = False
+    outcome: str = "cancelled"  # until the handler's task says otherwise
+    started: float = 0.0
+
+
+class RpcServer:
+    """Serve registered methods on ``listen`` (``host:port``; port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        *,
+        listen: str = "127.0.0.1:0",
+        config: RpcConfig | None = None,
+        link: LinkEmulator | None = None,
+        metrics: NodeMetrics | None = None,
+        node_id: str = "",
+    ):
+        self.config = config or RpcConfig()
+        self.node_id = node_id
+        self._listen = normalize_address(listen)
+        self._link = link
+        self._handlers: dict[str, _Handler] = {}
+        self._calls: dict[tuple[bytes, int], _Call] = {}
+        self._background: set[asyncio.Task] = set()
+        self._pump: SocketPump | None = None
+        self._closing = False
+        self.address: str | None = None
+        metrics = metrics or NodeMetrics(role="node", instance=node_id)
+        self._m_requests = metrics.counter(
+            "agora_rpc_requests_total", "Requests handled, by method and outcome.", ["method", "outcome"]
+        )
+        self._m_rejected = metrics.counter(
+            "agora_rpc_rejected_messages_total",
+            "Incoming messages rejected or dropped before reaching a handler, by reason.",
+            ["reason"],
+        )
+        self._m_seconds = metrics.histogram(
+            "agora_rpc_handler_seconds", "Time from request arrival to reply, by method.", ["method"]
+        )
+        self._m_inflight = metrics.gauge("agora_rpc_inflight_requests", "Requests being handled.")
+        server_bytes = metrics.counter(
+            "agora_rpc_server_bytes_total", "Bytes through the server socket.", ["direction"]
+        )
+        self._m_received = server_bytes.labels(direction="received")
+        self._m_sent = server_bytes.labels(direction="sent")
+
+    # --- registration and lifecycle --------------------------------------------------------
+
+    def register(self, method: str, handler: Callable, *, stream: bool = False) -> None:
+        """Serve ``method``: ``await handler(Request)``, or with ``stream=True``
+        ``await handler(ServerStream)``; either returns a :class:`Payload` or None."""
+        if not isinstance(method, str) or not 0 < len(method) <= self.config.wire.limits.max_name_chars:
+            raise ValueError("method name must be a non-empty, bounded str")
+        if method in self._handlers:
+            raise ValueError(f"method {method!r} is already registered")
+        self._handlers[method] = _Handler(handler, stream)
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self._handlers)
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the bound ``tcp://host:port`` address."""
+        sock = new_socket(zmq.ROUTER, self.config)
+        try:
+            sock.bind(self._listen)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(f"cannot listen on {self._listen}: {exc}") from None
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pump = SocketPump(sock, self._on_frames, link=self._link, name=f"rpc-server {self.address}")
+        self._pump.start()
+        log.debug("server_started", address=self.address, methods=self.methods)
+        return self.address
+
+    async def stop(self, *, grace_s: float = 0.0) -> None:
+        """Stop serving. In-flight calls get ``grace_s`` to finish, then are cancelled."""
+        self._closing = True
+        tasks = [c.task for c in self._calls.values() if c.task is not None]
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+        if self._pump is not None:
+            await self._pump.close()
+            self._pump = None
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._calls)
+
+    # --- incoming messages (runs on the socket's receive task) -----------------------------
+
+    def _reject(self, reason: str) -> None:
+        self._m_rejected.labels(reason=reason).inc()
+
+    def _on_frames(self, frames: list) -> None:
+        self._m_received.inc(frames_nbytes(frames))
+        if len(frames) < 2:
+            self._reject("malformed")
+            return
+        identity, data = frames[0].bytes, frames[2:]
+        limits = self.config.wire.limits
+        try:
+            header = unpack_header(frames[1], limits)
+        except WireError as exc:
+            self._reject(_reject_reason(exc))
+            return
+        try:
+            message = check_header(header, limits)
+        except WireError as exc:
+            self._reject(_reject_reason(exc))
+            rid = peek_request_id(header)
+            if rid is not None:
+                self._reply_error(identity, rid, BadRequest(str(exc)))
+            return
+        key = (identity, message.request_id)
+        if message.kind == Kind.REQUEST:
+            self._accept(identity, key, message, header, data)
+            return
+        call = self._calls.get(key)
+        if call is None:
+            self._reject("late")  # the call already ended: a late item, credit or cancel
+            return
+        if message.kind == Kind.CANCEL:
+            if call.task is not None:
+                call.cancelled_by_peer = True
+                call.task.cancel()
+        elif message.kind == Kind.CREDIT and call.stream is not None:
+            call.stream.grant(message.credit)
+        elif message.kind == Kind.STREAM and call.stream is not None:
+            try:
+                message.tensors = decode_tensors(header, data, limits)
+                call.stream.feed(message)
+            except (WireError, StreamError) as exc:
+                self._reject("stream_violation")
+                self._abort(key, call, exc if isinstance(exc, RpcError) else BadRequest(str(exc)))
+        else:
+            self._reject("unexpected_kind")
+
+    def _accept(self, identity: bytes, key, message: Message, header: dict, data: list) -> None:
+        rid = message.request_id
+        handler = self._handlers.get(message.method)
+        if key in self._calls:
+            self._reject("duplicate")
+            return self._reply_error(identity, rid, BadRequest(f"request id {rid} is already in flight"))
+        if handler is None:
+            self._reject("unknown_method")
+            served = ", ".join(self.methods) or "nothing"
+            return self._reply_error(
+                identity, rid, UnknownMethod(f"no method {message.method!r} here; serving: {served}")
+            )
+        if self._closing or len(self._calls) >= self.config.max_inflight_requests:
+            self._reject("overloaded")
+            why = "shutting down" if self._closing else f"{len(self._calls)} requests in flight"
+            return self._reply_error(identity, rid, Overloaded(f"server refused the request: {why}"))
+        remaining = message.deadline_s if message.deadline_s is not None else self.config.default_timeout_s
+        if remaining <= 0:
+            self._reject("expired")
+            return self._reply_error(identity, rid, DeadlineExceeded("request arrived after its deadline"))
+        try:
+            tensors = decode_tensors(header, data, self.config.wire.limits)
+        except WireError as exc:
+            self._reject(_reject_reason(exc))
+            return self._reply_error(identity, rid, BadRequest(str(exc)))
+        request = Request(
+            method=message.method,
+            meta=message.meta,
+            tensors=tensors,
+            sender=message.sender,
+            peer=identity,
+            deadline=time.monotonic() + remaining,
+        )
+        call = _Call(method=message.method, started=time.perf_counter())
+        if handler.streaming:
+            call.stream = ServerStream(
+                request,
+                request_id=rid,
+                method=message.method,
+                window=self.config.stream_window,
+                peer_window=message.credit,
+                deadline=request.deadline,
+                send_message=lambda m: self._send(identity, m),
+            )
+        self._calls[key] = call
+        self._m_inflight.inc()
+        call.task = asyncio.get_running_loop().create_task(self._run(key, identity, handler, request, call))
+        # A done callback, not a finally: it also runs for a task cancelled before it started.
+        call.task.add_done_callback(lambda _task: self._forget(key))
+
+    def _forget(self, key) -> None:
+        call = self._calls.pop(key, None)
+        if call is None:
+            return
+        self._m_inflight.dec()
+        self._m_requests.labels(method=call.method, outcome=call.outcome).inc()
+        self._m_seconds.labels(method=call.method).observe(time.perf_counter() - call.started)
+
+    # --- running a call ---------------------------------------------------------------------
+
+    async def _run(self, key, identity: bytes, handler: _Handler, request: Request, call: _Call) -> None:
+        rid = key[1]
+        outcome = "ok"
+        scope = None
+        try:
+            try:
+                if call.stream is not None:  # open the client's send window
+                    await self._send(
+                        identity, Message(kind=Kind.CREDIT, request_id=rid, credit=self.config.stream_window)
+                    )
+                async with asyncio.timeout_at(request.deadline) as scope:
+                    result = await handler.fn(call.stream if call.stream is not None else request)
+            except TimeoutError:
+                if scope is None or not scope.expired():
+                    raise
+                raise DeadlineExceeded(f"{request.method!r} ran past the caller's deadline") from None
+            if result is None:
+                result = Payload()
+            elif not isinstance(result, Payload):
+                raise HandlerFailed(f"handler returned {type(result).__name__}; expected Payload or None")
+            try:
+                await self._send(
+                    identity,
+                    Message(kind=Kind.RESPONSE, request_id=rid, meta=result.meta, tensors=result.tensors),
+                )
+            except WireError as exc:
+                raise HandlerFailed(f"reply could not be encoded: {exc}") from None
+        except asyncio.CancelledError:
+            if not call.cancelled_by_peer:
+                raise
+            outcome = "cancelled"
+        except RpcError as exc:
+            outcome = exc.code
+            await self._send_error(identity, rid, exc)
+        except WireError as exc:  # the handler found the caller's data inconsistent
+            outcome = BadRequest.code
+            await self._send_error(identity, rid, BadRequest(str(exc)))
+        except Exception as exc:  # a handler bug: report it, keep serving
+            outcome = HandlerFailed.code
+            log.warning("handler_failed", method=request.method, error=f"{type(exc).__name__}: {exc}")
+            await self._send_error(identity, rid, HandlerFailed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            call.outcome = outcome
+
+    def _abort(self, key, call: _Call, error: RpcError) -> None:
+        if call.stream is not None:
+            call.stream.fail(error)
+        call.cancelled_by_peer = True  # no reply from the task: the error below is the reply
+        call.outcome = error.code
+        if call.task is not None:
+            call.task.cancel()
+        self._forget(key)
+        self._reply_error(key[0], key[1], error)
+
+    async def _send(self, identity: bytes, message: Message) -> None:
+        message.sender = self.node_id
+        frames = encode(message, self.config.wire)
+        if self._pump is not None:
+            self._m_sent.inc(frames_nbytes(frames))
+            await self._pump.send([identity, *frames])
+
+    async def _send_error(self, identity: bytes, rid: int, error: RpcError) -> None:
+        message = Message(
+            kind=Kind.ERROR, request_id=rid, error_code=error.code, error_message=str(error)[:4000]
+        )
+        await self._send(identity, message)
+
+    def _reply_error(self, identity: bytes, rid: int, error: RpcError) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_error(identity, rid, error))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

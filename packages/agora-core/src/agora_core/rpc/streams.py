@@ -1,0 +1,188 @@
+"""Flow-controlled streams: both sides of a call send items while the other consumes them.
+
+A receiver grants its peer a window of items (``RpcConfig.stream_window``). The sender spends
+one credit per item and waits when it has none; the receiver grants credits back as its
+consumer takes items, in batches of half a window. A receiver therefore never buffers more
+than one window of items, however fast the sender or slow the consumer — a peer that sends
+beyond its credit breaks the protocol and the stream is aborted with :class:`StreamError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from agora_core.dtypes import Tensor
+from agora_core.errors import DeadlineExceeded, StreamError
+from agora_core.rpc.types import Payload, Request
+from agora_core.wire import Kind, Message
+
+SendMessage = Callable[[Message], Awaitable[None]]
+
+
+class StreamChannel:
+    """Credits and the inbound queue of one end of a stream. Lives on the event loop."""
+
+    def __init__(
+        self,
+        *,
+        request_id: int,
+        method: str,
+        window: int,
+        peer_window: int,
+        deadline: float,
+        send_message: SendMessage,
+    ):
+        self.request_id = request_id
+        self.method = method
+        self._window = window
+        self._deadline = deadline
+        self._send_message = send_message
+        self._credit = peer_window  # items we may send before the peer grants more
+        self._granted = window  # items we allowed the peer so far, in total
+        self._received = 0
+        self._consumed_unacked = 0
+        self._inbound: collections.deque[Message] = collections.deque()
+        self._changed = asyncio.Event()  # credit arrived, an item arrived, or the channel ended
+        self._peer_ended = False
+        self._ended = False
+        self._error: BaseException | None = None
+
+    # --- driven by the socket owner -------------------------------------------------------
+
+    def grant(self, credit: int) -> None:
+        self._credit += credit
+        self._changed.set()
+
+    def feed(self, message: Message) -> None:
+        """An item from the peer; raises StreamError when the peer broke the protocol."""
+        if self._peer_ended:
+            raise StreamError(f"stream {self.method!r}: item after the peer's end")
+        if message.end:
+            self._peer_ended = True
+        else:
+            self._received += 1
+            if self._received > self._granted:
+                raise StreamError(f"stream {self.method!r}: peer sent beyond its credit")
+            self._inbound.append(message)
+        self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._changed.set()
+
+    def finish_inbound(self) -> None:
+        """No more items will come (the final reply arrived)."""
+        self._peer_ended = True
+        self._changed.set()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._inbound)
+
+    # --- used by the stream's owner coroutine ---------------------------------------------
+
+    async def _wait_changed(self, what: str) -> None:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}")
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), remaining)
+        except TimeoutError:
+            raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}") from None
+
+    async def send(self, meta: Any = None, tensors: dict[str, Tensor] | None = None) -> None:
+        """Send one item, waiting for credit. Raw buffers are sent without copying: do not
+        modify the arrays until the stream has ended."""
+        if self._ended:
+            raise StreamError(f"stream {self.method!r}: send after end")
+        while self._credit <= 0:
+            if self._error is not None:
+                raise self._error
+            await self._wait_changed("waiting for credit to send")
+        if self._error is not None:
+            raise self._error
+        self._credit -= 1
+        await self._send_message(
+            Message(kind=Kind.STREAM, request_id=self.request_id, meta=meta, tensors=tensors or {})
+        )
+
+    async def end(self) -> None:
+        """Tell the peer no more items follow (costs no credit). Idempotent."""
+        if not self._ended and self._error is None:
+            self._ended = True
+            await self._send_message(Message(kind=Kind.STREAM, request_id=self.request_id, end=True))
+
+    async def receive(self) -> Payload | None:
+        """The next item from the peer, or None once it ended; raises the stream's error."""
+        while not self._inbound:
+            if self._error is not None:
+                raise self._error
+            if self._peer_ended:
+                return None
+            await self._wait_changed("waiting for the next item")
+        message = self._inbound.popleft()
+        self._consumed_unacked += 1
+        if self._consumed_unacked >= max(1, self._window // 2) and not self._peer_ended:
+            credit, self._consumed_unacked = self._consumed_unacked, 0
+            self._granted += credit
+            await self._send_message(Message(kind=Kind.CREDIT, request_id=self.request_id, credit=credit))
+        return Payload(message.meta, message.tensors)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Payload:
+        item = await self.receive()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+
+class ServerStream(StreamChannel):
+    """The server's end of a streaming call; ``request`` is the call's opening message.
+
+    Iterate it for the client's items; ``send`` items back; the handler's return value is the
+    final reply that ends the stream.
+    """
+
+    def __init__(self, request: Request, **kwargs):
+        super().__init__(**kwargs)
+        self.request = request
+
+
+class ClientStream(StreamChannel):
+    """The caller's end of a streaming call. Iterate it for the server's items; ``result()``
+    waits for the handler's final reply."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._result: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def resolve(self, message: Message | BaseException) -> None:
+        """The final reply (or error) arrived: stop inbound items, settle ``result()``."""
+        if self._result.done():
+            return
+        if isinstance(message, BaseException):
+            self._result.set_exception(message)
+            self._result.exception()  # retrieved: a caller that never awaits result() is fine
+            self.fail(message)
+        else:
+            self._result.set_result(Payload(message.meta, message.tensors))
+            self.finish_inbound()
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    async def result(self) -> Payload:
+        remaining = self._deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._result), max(remaining, 0))
+        except TimeoutError:
+            raise DeadlineExceeded(f"stream {self.method!r}: no final reply by the deadline") from None

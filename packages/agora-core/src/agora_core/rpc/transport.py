@@ -1,0 +1,192 @@
+"""One ZeroMQ socket driven by the asyncio event loop, with the node's emulated link in front.
+
+The socket is a plain (non-asyncio) zmq socket. Its file descriptor is registered with the
+loop; when it signals, we drain every ready message without blocking. Sends are attempted
+without blocking too, and only a send that would block (no connection yet, high-water mark)
+waits in an ordered outbox. This costs far less per message than one future per
+``recv``/``send``, and everything runs on the loop's thread: no socket is touched by two
+threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from agora_core.linkemu import DelayLine, LinkEmulator
+from agora_core.logs import get_logger
+from agora_core.rpc.types import RpcConfig
+
+log = get_logger("rpc.transport")
+
+# Messages handled per wakeup before yielding to other tasks, so one busy socket cannot
+# starve the loop.
+_DRAIN_BUDGET = 128
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+def frames_nbytes(frames: Sequence) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def normalize_address(address: str) -> str:
+    """``host:port`` or ``tcp://host:port``; port ``0`` or ``*`` means any free port on bind."""
+    if "://" not in address:
+        address = f"tcp://{address}"
+    if address.startswith("tcp://") and address.endswith(":0"):
+        address = address[:-2] + ":*"
+    return address
+
+
+def new_socket(kind: int, config: RpcConfig) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    # zmq disconnects a peer that sends a larger frame, before allocating it.
+    sock.setsockopt(zmq.MAXMSGSIZE, config.wire.limits.max_frame_bytes + 1024)
+    sock.setsockopt(zmq.SNDHWM, config.high_water_mark)
+    sock.setsockopt(zmq.RCVHWM, config.high_water_mark)
+    ivl_ms = max(1, int(config.reconnect_interval_s * 1000))
+    sock.setsockopt(zmq.RECONNECT_IVL, ivl_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 20 * ivl_ms)
+    return sock
+
+
+class SocketPump:
+    """Owns one socket on the running loop: reads it, writes it, closes it.
+
+    ``on_frames`` gets each received multipart message (a list of ``zmq.Frame``). With a link
+    emulator, outgoing messages pass the node's upload pipe and incoming ones its download
+    pipe first.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        on_frames: Callable[[list], None],
+        *,
+        link: LinkEmulator | None = None,
+        name: str = "socket",
+    ):
+        self._sock = sock
+        self._on_frames = on_frames
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: collections.deque[tuple[list, asyncio.Future | None]] = collections.deque()
+        self._closed = False
+        self._drain_scheduled = False
+        self._up: DelayLine | None = None
+        self._down: DelayLine | None = None
+        if link is not None and not link.config.is_ideal:
+            self._up = link.upload_line(self._send_now)
+            self._down = link.download_line(self._dispatch)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._on_events)
+        for line in (self._up, self._down):
+            if line is not None:
+                line.start()
+        self._schedule_drain()
+
+    # --- sending ---------------------------------------------------------------------------
+
+    async def send(self, frames: list) -> None:
+        """Send one multipart message; raw buffers go without copying.
+
+        Returns once zmq has the message (or, with an emulated link, once it is queued on the
+        upload pipe); waits only while zmq cannot take it.
+        """
+        if self._closed:
+            raise ConnectionError(f"{self._name} is closed")
+        if self._up is not None:
+            self._up.put(frames, frames_nbytes(frames))
+            return
+        await self._send_now(frames)
+
+    async def _send_now(self, frames: list) -> None:
+        if not self._outbox and self._try_send(frames):
+            return
+        future = self._loop.create_future()
+        self._outbox.append((frames, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            # Still queued: drop it so a cancelled call's message is never sent late.
+            self._outbox = collections.deque(item for item in self._outbox if item[1] is not future)
+            raise
+
+    def _try_send(self, frames: list) -> bool:
+        try:
+            self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        # A send can swallow the fd's edge for messages that arrived meanwhile: look again.
+        self._schedule_drain()
+        return True
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            frames, future = self._outbox[0]
+            if future is not None and future.done():  # the sender gave up
+                self._outbox.popleft()
+                continue
+            if not self._try_send(frames):
+                return
+            self._outbox.popleft()
+            if future is not None:
+                future.set_result(None)
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and not self._closed:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_events)
+
+    def _on_events(self) -> None:
+        self._drain_scheduled = False
+        if self._closed:
+            return
+        sock = self._sock
+        for _ in range(_DRAIN_BUDGET):
+            # Asking EVENTS is much cheaper than a recv that raises zmq.Again.
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
+                break
+            frames = sock.recv_multipart(flags=_NOBLOCK, copy=False)
+            if self._down is not None:
+                self._down.put(frames, frames_nbytes(frames))
+            else:
+                self._dispatch(frames)
+            if self._closed:
+                return
+        else:
+            self._schedule_drain()  # budget spent with more waiting: continue next turn
+        if self._outbox:
+            self._flush_outbox()
+
+    def _dispatch(self, frames: list) -> None:
+        # A dispatcher bug must not kill the socket's only reader: log it and keep serving.
+        try:
+            self._on_frames(frames)
+        except Exception:
+            log.exception("dispatch_failed", socket=self._name)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for line in (self._up, self._down):
+            if line is not None:
+                await line.stop()
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        for _frames, future in self._outbox:
+            if future is not None and not future.done():
+                future.set_exception(ConnectionError(f"{self._name} closed before sending"))
+        self._outbox.clear()
+        self._sock.close(linger=0)

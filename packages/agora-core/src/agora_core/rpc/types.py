@@ -1,0 +1,55 @@
+"""What RPC handlers receive and return, and the RPC layer's configuration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agora_core.dtypes import Tensor
+from agora_core.wire import WireConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class RpcConfig:
+    wire: WireConfig = field(default_factory=WireConfig)
+    default_timeout_s: float = 30.0  # per call, when the caller names none
+    connect_timeout_s: float = 5.0  # how long a call waits for a connection before PeerUnreachable
+    max_inflight_requests: int = 1024  # per server; beyond it requests are answered Overloaded
+    stream_window: int = 8  # stream items a receiver lets its peer have in flight
+    max_connections: int = 256  # client connection pool size; idle ones are evicted LRU
+    high_water_mark: int = 1000  # zmq messages queued per socket and peer
+    reconnect_interval_s: float = 0.1  # first zmq reconnect delay; backs off to 20x
+
+    def __post_init__(self) -> None:
+        positive = ("default_timeout_s", "connect_timeout_s", "reconnect_interval_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RpcConfig.{name} must be positive")
+        for name in ("max_inflight_requests", "stream_window", "max_connections", "high_water_mark"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RpcConfig.{name} must be >= 1")
+
+
+@dataclass(slots=True)
+class Payload:
+    """Metadata (any msgpack-able value) plus named tensors: a reply or one stream item."""
+
+    meta: Any = None
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Request:
+    """One incoming call as a handler sees it."""
+
+    method: str
+    meta: Any
+    tensors: dict[str, Tensor]
+    sender: str  # the node id the caller declared (authenticated by the credential layer)
+    peer: bytes  # transport identity of the connection; opaque
+    deadline: float  # time.monotonic() by which the caller stops waiting
+
+    @property
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from agora_core.testing import spawn_python
+
+RPC_NODE = str(Path(__file__).parent / "rpc_node.py")
+
+
+@contextlib.contextmanager
+def spawn_rpc_node(*args: str):
+    """tests/rpc_node.py as its own OS process; yields (child, address); always stopped."""
+    with spawn_python([RPC_NODE, *args]) as child:
+        yield child, child.read_until("ADDRESS ")
+
+
+@pytest.fixture
+def rpc_node():
+    with spawn_rpc_node() as (child, address):
+        yield child, address

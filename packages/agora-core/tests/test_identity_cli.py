@@ -1,0 +1,96 @@
+"""Node keys and the ``agora`` command line."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from agora_core.cli import main
+from agora_core.identity import IdentityError, NodeKey, node_id_from_public_key, verify_signature
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def test_key_file_is_private_and_round_trips(tmp_path):
+    key = NodeKey.generate()
+    path = key.save(tmp_path / "sub" / "node.key")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = NodeKey.load(path)
+    assert loaded.node_id == key.node_id == node_id_from_public_key(key.public_key)
+    assert len(key.node_id) == 40
+
+
+def test_signatures_verify_only_for_the_signed_message_and_key():
+    key, other = NodeKey.generate(), NodeKey.generate()
+    signature = key.sign(b"stage/2/worker")
+    assert verify_signature(key.public_key, b"stage/2/worker", signature)
+    assert not verify_signature(key.public_key, b"stage/3/worker", signature)
+    assert not verify_signature(other.public_key, b"stage/2/worker", signature)
+    assert not verify_signature(key.public_key, b"stage/2/worker", signature[:-1] + b"\0")
+    assert not verify_signature(b"short", b"x", signature)
+
+
+def test_unsafe_or_broken_key_files_are_refused(tmp_path):
+    path = NodeKey.generate().save(tmp_path / "node.key")
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError, match="chmod 600"):
+        NodeKey.load(path)
+    os.chmod(path, 0o600)
+    path.write_text("something else\n")
+    with pytest.raises(IdentityError, match="not an Agora key file"):
+        NodeKey.load(path)
+    with pytest.raises(IdentityError, match="does not exist"):
+        NodeKey.load(tmp_path / "none.key")
+    with pytest.raises(IdentityError, match="already exists"):
+        NodeKey.generate().save(path)
+
+
+def test_keygen_prints_the_node_id_of_the_file_it_wrote(tmp_path):
+    runner = CliRunner()
+    path = tmp_path / "node.key"
+    result = runner.invoke(main, ["keygen", "--key-file", str(path)])
+    assert result.exit_code == 0, result.output
+    printed = result.output.split("node id:")[1].split()[0]
+    assert printed == NodeKey.load(path).node_id
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = runner.invoke(main, ["keygen", "--key-file", str(path)])
+    assert again.exit_code == 2 and "--force" in again.output
+    forced = runner.invoke(main, ["keygen", "--key-file", str(path), "--force"])
+    assert forced.exit_code == 0 and NodeKey.load(path).node_id != printed
+
+
+def test_keygen_honours_the_environment(tmp_path):
+    path = tmp_path / "env.key"
+    result = CliRunner().invoke(main, ["keygen"], env={"AGORA_KEY_FILE": str(path)})
+    assert result.exit_code == 0 and path.exists()
+
+
+def test_config_check_summarizes_a_good_file_and_names_the_bad_key(tmp_path):
+    runner = CliRunner()
+    good = runner.invoke(main, ["config", "check", str(EXAMPLES / "tiny.toml")])
+    assert good.exit_code == 0 and "stages     4" in good.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[averaging]\nsegments = -1\n")
+    result = runner.invoke(main, ["config", "check", str(bad)])
+    assert result.exit_code == 2
+    assert "averaging.segments" in result.output and "must be >= 1" in result.output
+
+
+def test_serve_runs_a_node_that_answers_its_own_self_check():
+    agora = Path(sys.executable).parent / "agora"
+    result = subprocess.run(
+        [str(agora), "serve", "--self-check", "--duration", "0", "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "serving    tcp://127.0.0.1:" in result.stdout
+    assert "methods    echo, ping" in result.stdout
+    assert "intact: True" in result.stdout

@@ -1,0 +1,289 @@
+"""RPC over real ZeroMQ sockets on 127.0.0.1: calls, concurrency, deadlines, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
+from agora_core.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    HandlerFailed,
+    Overloaded,
+    PeerUnreachable,
+    UnknownMethod,
+)
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
+from agora_core.testing import wait_until_async as wait_until
+
+
+def raw_dealer(address: str) -> zmq.Socket:
+    """A hand-rolled peer that speaks the wire protocol directly (or breaks it)."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    return dealer
+
+
+async def raw_reply(dealer: zmq.Socket, timeout_s: float = 10.0) -> dict:
+    await wait_until(lambda: dealer.poll(0), timeout_s=timeout_s, what="a reply")
+    return msgpack.unpackb(dealer.recv_multipart()[0])
+
+
+@pytest.fixture
+async def server():
+    srv = RpcServer(metrics=NodeMetrics(role="test"))
+
+    async def echo(request):
+        return Payload(request.meta, request.tensors)
+
+    srv.register("echo", echo)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client():
+    cli = RpcClient(config=RpcConfig(connect_timeout_s=2.0))
+    yield cli
+    await cli.close()
+
+
+async def test_every_dtype_survives_a_call(server, client):
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for dtype in SUPPORTED_DTYPES:
+        storage = storage_dtype(dtype)
+        words = rng.integers(0, 256, 60 * storage.itemsize, dtype=np.uint8).view(storage).reshape(3, 20)
+        tensors[dtype] = TaggedArray(dtype, words) if dtype == "bfloat16" else words
+    tensors["0d"] = np.array(7, dtype=np.int64)
+    tensors["empty"] = np.zeros((2, 0), dtype=np.float32)
+    tensors["strided"] = np.arange(100, dtype=np.float64).reshape(10, 10)[::3, 1::2]
+    reply = await client.call(server.address, "echo", {"k": "v"}, tensors)
+    assert reply.meta == {"k": "v"}
+    for name, sent in tensors.items():
+        got = reply.tensors[name]
+        if isinstance(sent, TaggedArray):
+            assert got == sent
+        else:
+            assert got.shape == sent.shape and got.dtype == sent.dtype
+            assert got.tobytes() == np.ascontiguousarray(sent).tobytes()
+
+
+async def test_sixteen_clients_with_200_concurrent_calls_each_get_their_own_answers(server):
+    clients = [RpcClient() for _ in range(16)]
+    try:
+
+        async def one(c: int, i: int):
+            vector = np.full(8, c * 1000 + i, dtype=np.int64)
+            reply = await client_call(clients[c], server.address, {"c": c, "i": i}, vector)
+            assert reply.meta == {"c": c, "i": i}
+            assert reply.tensors["v"].tolist() == vector.tolist()
+            return 1
+
+        async def client_call(cli, address, meta, vector):
+            return await cli.call(address, "echo", meta, {"v": vector}, timeout_s=60)
+
+        results = await asyncio.gather(*(one(c, i) for c in range(16) for i in range(200)))
+        assert sum(results) == 3200
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def test_connection_is_reused_across_calls(server, client):
+    for _ in range(5):
+        await client.call(server.address, "echo")
+    assert len(client._connections) == 1
+
+
+async def test_unknown_method_names_what_the_server_serves(server, client):
+    with pytest.raises(UnknownMethod, match=r"'nope'.*echo") as info:
+        await client.call(server.address, "nope")
+    assert info.value.remote
+
+
+async def test_handler_errors_arrive_typed_with_the_remote_message(server, client):
+    async def picky(request):
+        if request.meta != "ok":
+            raise BadRequest(f"meta must be 'ok', got {request.meta!r}")
+        raise ValueError("the handler broke")
+
+    server.register("picky", picky)
+    with pytest.raises(BadRequest, match="meta must be 'ok', got 3"):
+        await client.call(server.address, "picky", 3)
+    with pytest.raises(HandlerFailed, match="ValueError: the handler broke"):
+        await client.call(server.address, "picky", "ok")
+    # the server still serves
+    assert (await client.call(server.address, "echo", 1)).meta == 1
+
+
+async def test_deadline_exceeded_on_client_and_handler_cancelled_on_server(server, client):
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(request):
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    server.register("slow", slow)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await client.call(server.address, "slow", timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    await asyncio.wait_for(cancelled.wait(), 5)
+    await wait_until(lambda: server.inflight == 0, what="server to forget the call")
+
+
+async def test_server_enforces_the_callers_deadline_by_itself(server):
+    cancelled = asyncio.Event()
+
+    async def overrun(request):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    server.register("overrun", overrun)
+    dealer = raw_dealer(server.address)  # a caller that never cancels: only the deadline acts
+    try:
+        header = {"v": [1, 0], "kind": 1, "method": "overrun", "id": 5, "deadline_s": 0.2}
+        t0 = time.monotonic()
+        dealer.send_multipart([msgpack.packb(header)])
+        reply = await raw_reply(dealer)
+        assert reply["id"] == 5 and reply["error"]["code"] == "deadline_exceeded"
+        assert time.monotonic() - t0 >= 0.15
+        assert cancelled.is_set()
+    finally:
+        dealer.close()
+
+
+async def test_cancelling_the_caller_cancels_the_remote_handler(server, client):
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(request):
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    server.register("slow", slow)
+    task = asyncio.create_task(client.call(server.address, "slow", timeout_s=30))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(cancelled.wait(), 5)
+    assert (await client.call(server.address, "echo", "still here")).meta == "still here"
+
+
+async def test_nobody_listening_is_peer_unreachable_quickly(client):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # a port with no listener once the socket closes
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="no connection"):
+        await client.call(f"127.0.0.1:{port}", "echo", timeout_s=30)
+    assert time.monotonic() - t0 < 10
+
+
+async def test_peer_killed_mid_call_is_peer_unreachable_not_a_full_timeout(client, rpc_node):
+    node, address = rpc_node
+    assert (await client.call(address, "echo", "up")).meta == "up"
+    call = asyncio.create_task(client.call(address, "hang", timeout_s=60))
+    await wait_until(lambda: any(c.pending for c in client._connections.values()), what="call pending")
+    node.kill()
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="lost"):
+        await call
+    assert time.monotonic() - t0 < 15
+
+
+async def test_overloaded_server_refuses_instead_of_queueing_without_bound(client):
+    srv = RpcServer(config=RpcConfig(max_inflight_requests=4))
+    gate = asyncio.Event()
+
+    async def held(request):
+        await gate.wait()
+
+    srv.register("held", held)
+    await srv.start()
+    try:
+        calls = [asyncio.create_task(client.call(srv.address, "held", timeout_s=30)) for _ in range(4)]
+        await wait_until(lambda: srv.inflight == 4, what="4 calls in flight")
+        with pytest.raises(Overloaded):
+            await client.call(srv.address, "held", timeout_s=30)
+        gate.set()
+        await asyncio.gather(*calls)
+    finally:
+        await srv.stop()
+
+
+async def test_malformed_request_with_an_id_gets_a_bad_request_reply(server):
+    dealer = raw_dealer(server.address)  # declares a tensor but sends no data frame
+    try:
+        header = {
+            "v": [1, 0],
+            "kind": 1,
+            "method": "echo",
+            "id": 42,
+            "tensors": [
+                {
+                    "name": "x",
+                    "dtype": "float32",
+                    "shape": [4],
+                    "chunk_bytes": 4096,
+                    "chunks": 1,
+                    "codecs": [0],
+                    "sizes": [16],
+                }
+            ],
+        }
+        dealer.send_multipart([msgpack.packb(header)])
+        reply = await raw_reply(dealer)
+        assert reply["id"] == 42 and reply["kind"] == 3
+        assert reply["error"]["code"] == "bad_request"
+        assert "data frames" in reply["error"]["message"]
+    finally:
+        dealer.close()
+
+
+async def test_duplicate_registration_and_bad_timeouts_are_refused(server, client):
+    with pytest.raises(ValueError, match="already registered"):
+        server.register("echo", lambda r: None)
+    with pytest.raises(ValueError, match="positive"):
+        await client.call(server.address, "echo", timeout_s=0)
+
+
+async def test_server_metrics_count_requests_and_rejections(client):
+    metrics = NodeMetrics(role="test", instance="m")
+    srv = RpcServer(metrics=metrics)
+
+    async def echo(request):
+        return Payload(request.meta)
+
+    srv.register("echo", echo)
+    await srv.start()
+    try:
+        await client.call(srv.address, "echo")
+        with pytest.raises(UnknownMethod):
+            await client.call(srv.address, "missing")
+        ok = metrics.sample_value("agora_rpc_requests_total", {"method": "echo", "outcome": "ok"})
+        unknown = metrics.sample_value("agora_rpc_rejected_messages_total", {"reason": "unknown_method"})
+        assert ok == 1 and unknown == 1
+    finally:
+        await srv.stop()

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Set up the development environment and run Agora's two quickstart jobs.
+
+    python3 tools/dev.py run     # set up, then run the main job
+    python3 tools/dev.py test    # set up, then run the whole test suite (what CI runs)
+    python3 tools/dev.py setup   # only set up .venv
+
+Needs nothing but Python 3.11+ with pip. Setup creates ``.venv`` in the repo, installs every
+package under ``packages/`` editable plus ``requirements-dev.txt`` in one pip call, and
+checks that every ``agora*`` distribution in the environment was installed from this repo
+(unrelated projects publish ``agora-core`` and ``agora`` on the package index). Setup is
+skipped when nothing it depends on changed since the last run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".agora-setup-stamp"
+PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+# Runs inside the venv: every agora* distribution must be an editable/local install whose
+# source lies under packages/ of this repo, and every local package must be installed.
+_PROVENANCE_CHECK = r"""
+import json, sys
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+packages = Path(sys.argv[1]).resolve()
+expected = set(sys.argv[2:])
+seen, bad = set(), []
+for dist in metadata.distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if not name.startswith("agora"):
+        continue
+    seen.add(name)
+    raw = dist.read_text("direct_url.json")
+    url = json.loads(raw).get("url", "") if raw else ""
+    path = Path(unquote(urlparse(url).path)).resolve() if url.startswith("file:") else None
+    if path is None or packages not in (path, *path.parents):
+        bad.append(f"{name} {dist.version} came from {url or 'a package index'}, not from {packages}")
+missing = sorted(expected - seen)
+if missing:
+    bad.append("local packages not installed: " + ", ".join(missing))
+if bad:
+    print("provenance check failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+    sys.exit(1)
+print(f"provenance: {len(seen)} agora distributions, all from {packages}")
+"""
+
+
+def _say(message: str) -> None:
+    print(f"[dev] {message}", flush=True)
+
+
+def local_packages() -> list[Path]:
+    return sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+
+
+def _fingerprint() -> str:
+    digest = hashlib.sha256(sys.version.encode())
+    for path in [ROOT / "requirements-dev.txt", *(p / "pyproject.toml" for p in local_packages())]:
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _run(cmd: list[str], **kwargs) -> None:
+    result = subprocess.run(cmd, cwd=ROOT, **kwargs)
+    if result.returncode != 0:
+        _say(f"failed ({result.returncode}): {' '.join(map(str, cmd))}")
+        sys.exit(result.returncode)
+
+
+def setup() -> None:
+    if sys.version_info < (3, 11):  # noqa: UP036 - this script runs on whatever python3 is
+        sys.exit(f"Agora needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    if not PYTHON.exists():
+        _say(f"creating virtual environment {VENV.relative_to(ROOT)}")
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    fingerprint = _fingerprint()
+    if not STAMP.exists() or STAMP.read_text() != fingerprint:
+        packages = local_packages()
+        _say(f"installing {len(packages)} local packages (editable) and dev requirements")
+        cmd = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+        cmd += ["-r", str(ROOT / "requirements-dev.txt")]
+        for package in packages:
+            cmd += ["-e", str(package)]
+        _run(cmd)
+        STAMP.write_text(fingerprint)
+    names = [p.name for p in local_packages()]
+    _run([str(PYTHON), "-c", _PROVENANCE_CHECK, str(ROOT / "packages"), *names])
+
+
+def run_tests(extra: list[str]) -> int:
+    _say("linting (ruff check, ruff format --check)")
+    for lint in (["check", "."], ["format", "--check", "."]):
+        if subprocess.run([str(PYTHON), "-m", "ruff", *lint], cwd=ROOT).returncode != 0:
+            _say("lint failed: run .venv/bin/ruff check --fix . && .venv/bin/ruff format .")
+            return 1
+    _say("running the test suite")
+    result = subprocess.run([str(PYTHON), "-m", "pytest", *extra], cwd=ROOT)
+    if result.returncode == 5:
+        _say("pytest collected no tests: that is a failure")
+    return result.returncode
+
+
+def run_main(extra: list[str]) -> int:
+    _say("starting an Agora node, checking it from a client, then stopping it")
+    agora = VENV / "bin" / "agora"
+    return subprocess.run(
+        [str(agora), "serve", "--self-check", "--duration", "3", *extra], cwd=ROOT
+    ).returncode
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("run", "test", "setup"):
+        print(__doc__.strip())
+        return 2
+    command, extra = argv[0], argv[1:]
+    setup()
+    if command == "test":
+        return run_tests(extra)
+    if command == "run":
+        return run_main(extra)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -51,6 +51,28 @@ async def server():
     await srv.stop()
 
 
+class Hang:
+    """A handler that waits until cancelled, recording that it started and was cancelled."""
+
+    def __init__(self):
+        self.started, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, request):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.fixture
+def slow(server):
+    handler = Hang()
+    server.register("slow", handler)
+    return handler
+
+
 @pytest.fixture
 async def client():
     cli = RpcClient(config=RpcConfig(connect_timeout_s=2.0))
@@ -126,68 +148,36 @@ async def test_handler_errors_arrive_typed_with_the_remote_message(server, clien
     assert (await client.call(server.address, "echo", 1)).meta == 1
 
 
-async def test_deadline_exceeded_on_client_and_handler_cancelled_on_server(server, client):
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def slow(request):
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    server.register("slow", slow)
+async def test_deadline_exceeded_on_client_and_handler_cancelled_on_server(server, client, slow):
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await client.call(server.address, "slow", timeout_s=0.3)
     assert 0.25 <= time.monotonic() - t0 < 5
-    await asyncio.wait_for(cancelled.wait(), 5)
+    await asyncio.wait_for(slow.cancelled.wait(), 5)
     await wait_until(lambda: server.inflight == 0, what="server to forget the call")
 
 
-async def test_server_enforces_the_callers_deadline_by_itself(server):
-    cancelled = asyncio.Event()
-
-    async def overrun(request):
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    server.register("overrun", overrun)
+async def test_server_enforces_the_callers_deadline_by_itself(server, slow):
     dealer = raw_dealer(server.address)  # a caller that never cancels: only the deadline acts
     try:
-        header = {"v": [1, 0], "kind": 1, "method": "overrun", "id": 5, "deadline_s": 0.2}
+        header = {"v": [1, 0], "kind": 1, "method": "slow", "id": 5, "deadline_s": 0.2}
         t0 = time.monotonic()
         dealer.send_multipart([msgpack.packb(header)])
         reply = await raw_reply(dealer)
         assert reply["id"] == 5 and reply["error"]["code"] == "deadline_exceeded"
         assert time.monotonic() - t0 >= 0.15
-        assert cancelled.is_set()
+        assert slow.cancelled.is_set()
     finally:
         dealer.close()
 
 
-async def test_cancelling_the_caller_cancels_the_remote_handler(server, client):
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def slow(request):
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    server.register("slow", slow)
+async def test_cancelling_the_caller_cancels_the_remote_handler(server, client, slow):
     task = asyncio.create_task(client.call(server.address, "slow", timeout_s=30))
-    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.wait_for(slow.started.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait_for(cancelled.wait(), 5)
+    await asyncio.wait_for(slow.cancelled.wait(), 5)
     assert (await client.call(server.address, "echo", "still here")).meta == "still here"
 
 

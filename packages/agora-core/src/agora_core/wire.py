@@ -43,6 +43,9 @@ class Kind(enum.IntEnum):
     CANCEL = 6  # the caller abandons the call
 
 
+_KINDS = {int(kind): kind for kind in Kind}  # a dict lookup is far cheaper than Kind(value)
+
+
 @dataclass(kw_only=True, frozen=True)
 class WireLimits:
     """Upper bounds a receiver enforces before decoding or allocating anything."""
@@ -225,9 +228,9 @@ def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
         raise UnsupportedProtocolVersion(
             f"peer speaks protocol {version[0]}.{version[1]}; this node speaks {PROTOCOL_VERSION[0]}.x"
         )
-    kind = header.get("kind")
-    if not _is_int(kind) or kind not in Kind._value2member_map_:
-        raise MalformedMessage(f"unknown message kind {kind!r}")
+    kind = _KINDS.get(header.get("kind")) if _is_int(header.get("kind")) else None
+    if kind is None:
+        raise MalformedMessage(f"unknown message kind {header.get('kind')!r}")
     method = header.get("method", "")
     if not isinstance(method, str) or len(method) > limits.max_name_chars:
         raise MalformedMessage("header field 'method' must be a str of bounded length")
@@ -247,7 +250,7 @@ def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
     if not isinstance(end, bool) or not _is_int(credit) or not 0 <= credit <= 1 << 20:
         raise MalformedMessage("header fields 'end'/'credit' have wrong types or range")
     message = Message(
-        kind=Kind(kind),
+        kind=kind,
         method=method,
         request_id=rid,
         deadline_s=float(deadline) if deadline is not None else None,
@@ -365,6 +368,8 @@ def _materialize(layout: _Layout, plan, frames: Sequence) -> Tensor:
 def decode_tensors(header: dict[str, Any], frames: Sequence, limits: WireLimits) -> dict[str, Tensor]:
     """Check every descriptor against the limits and the frames, then build the tensors."""
     descriptors = header.get("tensors", [])
+    if not descriptors and not frames and isinstance(descriptors, list):
+        return {}  # the common small message: nothing to check or build
     if not isinstance(descriptors, list):
         raise MalformedMessage("header field 'tensors' must be a list")
     if len(descriptors) > limits.max_tensors:

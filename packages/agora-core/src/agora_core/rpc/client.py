@@ -87,11 +87,11 @@ class _Connection:
                 + ("" if self._ever_connected else " (is a node listening there?)")
             ) from None
 
-    async def send(self, message: Message) -> None:
+    async def send(self, message: Message, deadline: float | None = None) -> None:
         message.sender = self._client.node_id
         frames = encode(message, self._client.config.wire)
         self._client.bytes_sent += frames_nbytes(frames)
-        await self._pump.send(frames)
+        await self._pump.send(frames, deadline)
 
     def send_soon(self, message: Message) -> None:
         """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""
@@ -149,6 +149,28 @@ class _Connection:
         await self._pump.close()
 
 
+class _Expired(Exception):
+    """A call's own deadline timer fired (kept apart from any TimeoutError a peer reports)."""
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
+def _request(rid: int, method: str, deadline: float, meta, tensors, *, credit: int = 0) -> Message:
+    """The message that opens a call; its deadline travels as the seconds left now."""
+    return Message(
+        kind=Kind.REQUEST,
+        method=method,
+        request_id=rid,
+        deadline_s=deadline - time.monotonic(),
+        meta=meta,
+        tensors=tensors or {},
+        credit=credit,
+    )
+
+
 class RpcClient:
     """Calls methods on remote :class:`RpcServer` nodes. Use from one event loop."""
 
@@ -171,6 +193,13 @@ class RpcClient:
         self._m_calls = metrics.counter(
             "agora_rpc_client_calls_total", "Calls made, by outcome.", ["outcome"]
         )
+        self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
+
+    def _count(self, outcome: str) -> None:
+        child = self._m_outcomes.get(outcome)
+        if child is None:
+            child = self._m_outcomes[outcome] = self._m_calls.labels(outcome=outcome)
+        child.inc()
 
     def track(self, task: asyncio.Task) -> None:
         self._background.add(task)
@@ -240,23 +269,15 @@ class RpcClient:
         conn.pending[rid] = future
         outcome = "ok"
         sent = False
+        # One timer per call: on expiry it fails the future (cheaper than asyncio.timeout).
+        timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
         try:
             await conn.wait_connected(deadline)
-            async with asyncio.timeout_at(deadline):
-                await conn.send(
-                    Message(
-                        kind=Kind.REQUEST,
-                        method=method,
-                        request_id=rid,
-                        deadline_s=deadline - time.monotonic(),
-                        meta=meta,
-                        tensors=tensors or {},
-                    )
-                )
-                sent = True
-                reply: Message = await future
+            await conn.send(_request(rid, method, deadline, meta, tensors), deadline)
+            sent = True
+            reply: Message = await future
             return Payload(reply.meta, reply.tensors)
-        except TimeoutError:
+        except (_Expired, TimeoutError):
             outcome = DeadlineExceeded.code
             raise DeadlineExceeded(
                 f"{method!r} on {conn.address}: no reply within {timeout_s or self.config.default_timeout_s:g} s"
@@ -268,10 +289,11 @@ class RpcClient:
             outcome = getattr(exc, "code", type(exc).__name__)
             raise
         finally:
+            timer.cancel()
             conn.pending.pop(rid, None)
             if sent and outcome in ("cancelled", DeadlineExceeded.code):
                 conn.send_soon(Message(kind=Kind.CANCEL, request_id=rid))
-            self._m_calls.labels(outcome=outcome).inc()
+            self._count(outcome)
 
     @contextlib.asynccontextmanager
     async def open_stream(
@@ -304,17 +326,7 @@ class RpcClient:
         outcome = "ok"
         try:
             await conn.wait_connected(deadline)
-            await conn.send(
-                Message(
-                    kind=Kind.REQUEST,
-                    method=method,
-                    request_id=rid,
-                    deadline_s=deadline - time.monotonic(),
-                    meta=meta,
-                    tensors=tensors or {},
-                    credit=self.config.stream_window,
-                )
-            )
+            await conn.send(_request(rid, method, deadline, meta, tensors, credit=self.config.stream_window))
             yield stream
         except BaseException as exc:
             outcome = getattr(
@@ -325,4 +337,4 @@ class RpcClient:
             conn.streams.pop(rid, None)
             if not stream.done:
                 conn.send_soon(Message(kind=Kind.CANCEL, request_id=rid))
-            self._m_calls.labels(outcome=outcome).inc()
+            self._count(outcome)

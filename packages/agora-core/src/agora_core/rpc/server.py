@@ -70,6 +70,8 @@ class _Call:
     task: asyncio.Task | None = None
     stream: ServerStream | None = None
     cancelled_by_peer: bool = False
+    deadline_passed: bool = False
+    timer: asyncio.TimerHandle | None = None  # cancels the task at the caller's deadline
     outcome: str = "cancelled"  # until the handler's task says otherwise
     started: float = 0.0
 
@@ -109,6 +111,7 @@ class RpcServer:
             "agora_rpc_handler_seconds", "Time from request arrival to reply, by method.", ["method"]
         )
         self._m_inflight = metrics.gauge("agora_rpc_inflight_requests", "Requests being handled.")
+        self._m_children: dict[tuple[str, str], tuple] = {}
         server_bytes = metrics.counter(
             "agora_rpc_server_bytes_total", "Bytes through the server socket.", ["direction"]
         )
@@ -263,34 +266,46 @@ class RpcServer:
             )
         self._calls[key] = call
         self._m_inflight.inc()
-        call.task = asyncio.get_running_loop().create_task(self._run(key, identity, handler, request, call))
+        loop = asyncio.get_running_loop()
+        call.task = loop.create_task(self._run(key, identity, handler, request, call))
+        call.timer = loop.call_at(request.deadline, self._deadline_passed, call)
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         call.task.add_done_callback(lambda _task: self._forget(key))
+
+    @staticmethod
+    def _deadline_passed(call: _Call) -> None:
+        call.deadline_passed = True
+        call.task.cancel()
 
     def _forget(self, key) -> None:
         call = self._calls.pop(key, None)
         if call is None:
             return
+        call.timer.cancel()
         self._m_inflight.dec()
-        self._m_requests.labels(method=call.method, outcome=call.outcome).inc()
-        self._m_seconds.labels(method=call.method).observe(time.perf_counter() - call.started)
+        children = self._m_children.get((call.method, call.outcome))
+        if children is None:  # labels() is slow; bind each (method, outcome) once
+            children = self._m_children[(call.method, call.outcome)] = (
+                self._m_requests.labels(method=call.method, outcome=call.outcome),
+                self._m_seconds.labels(method=call.method),
+            )
+        children[0].inc()
+        children[1].observe(time.perf_counter() - call.started)
 
     # --- running a call ---------------------------------------------------------------------
 
     async def _run(self, key, identity: bytes, handler: _Handler, request: Request, call: _Call) -> None:
         rid = key[1]
         outcome = "ok"
-        scope = None
         try:
             try:
                 if call.stream is not None:  # open the client's send window
                     await self._send(
                         identity, Message(kind=Kind.CREDIT, request_id=rid, credit=self.config.stream_window)
                     )
-                async with asyncio.timeout_at(request.deadline) as scope:
-                    result = await handler.fn(call.stream if call.stream is not None else request)
-            except TimeoutError:
-                if scope is None or not scope.expired():
+                result = await handler.fn(call.stream if call.stream is not None else request)
+            except asyncio.CancelledError:
+                if not call.deadline_passed or call.cancelled_by_peer:
                     raise
                 raise DeadlineExceeded(f"{request.method!r} ran past the caller's deadline") from None
             if result is None:

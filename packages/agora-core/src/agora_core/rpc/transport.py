@@ -28,6 +28,7 @@ _DRAIN_BUDGET = 128
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def frames_nbytes(frames: Sequence) -> int:
@@ -95,38 +96,48 @@ class SocketPump:
 
     # --- sending ---------------------------------------------------------------------------
 
-    async def send(self, frames: list) -> None:
+    async def send(self, frames: list, deadline: float | None = None) -> None:
         """Send one multipart message; raw buffers go without copying.
 
         Returns once zmq has the message (or, with an emulated link, once it is queued on the
-        upload pipe); waits only while zmq cannot take it.
+        upload pipe); waits only while zmq cannot take it, at most until ``deadline``
+        (``time.monotonic()``), then raises TimeoutError.
         """
         if self._closed:
             raise ConnectionError(f"{self._name} is closed")
         if self._up is not None:
             self._up.put(frames, frames_nbytes(frames))
             return
-        await self._send_now(frames)
+        await self._send_now(frames, deadline)
 
-    async def _send_now(self, frames: list) -> None:
+    async def _send_now(self, frames: list, deadline: float | None = None) -> None:
         if not self._outbox and self._try_send(frames):
             return
         future = self._loop.create_future()
         self._outbox.append((frames, future))
         try:
-            await future
-        except asyncio.CancelledError:
-            # Still queued: drop it so a cancelled call's message is never sent late.
+            async with asyncio.timeout_at(deadline):
+                await future
+        except BaseException:
+            # Still queued: drop it so an abandoned message is never sent late.
             self._outbox = collections.deque(item for item in self._outbox if item[1] is not future)
             raise
 
     def _try_send(self, frames: list) -> bool:
+        # Part by part with plain-int flags: pyzmq's send_multipart spends more time on flag
+        # enums and checks than zmq spends sending a small message. A multipart message is
+        # atomic in zmq: if its first part is accepted, so are the rest.
+        sock = self._sock
         try:
-            self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
+            for frame in frames[:-1]:
+                sock.send(frame, _NOBLOCK_MORE, copy=False)
+            sock.send(frames[-1], _NOBLOCK, copy=False)
         except zmq.Again:
             return False
         # A send can swallow the fd's edge for messages that arrived meanwhile: look again.
-        self._schedule_drain()
+        # Reading EVENTS also re-arms the fd, so nothing is missed when none are waiting.
+        if self._sock.getsockopt(_EVENTS) & _POLLIN:
+            self._schedule_drain()
         return True
 
     def _flush_outbox(self) -> None:
@@ -157,7 +168,11 @@ class SocketPump:
             # Asking EVENTS is much cheaper than a recv that raises zmq.Again.
             if not sock.getsockopt(_EVENTS) & _POLLIN:
                 break
-            frames = sock.recv_multipart(flags=_NOBLOCK, copy=False)
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             if self._down is not None:
                 self._down.put(frames, frames_nbytes(frames))
             else:

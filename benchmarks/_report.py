@@ -39,6 +39,10 @@ class Report:
             print(text, flush=True)
         return figure
 
+    def compare(self, name: str, value: float, baseline: float, unit: str, *, target=None) -> Figure:
+        """A figure with its same-run baseline; the ratio is value / baseline."""
+        return self.add(name, value, unit, baseline=baseline, ratio=value / baseline, target=target)
+
     def note(self, text: str) -> None:
         """Progress and context for humans; silent in --json mode."""
         if not self.as_json:

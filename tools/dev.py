@@ -42,6 +42,8 @@ for dist in metadata.distributions():
     if not name.startswith("agora"):
         continue
     seen.add(name)
+    if packages in Path(dist.locate_file("")).resolve().parents:
+        continue  # build metadata inside a local package's source tree (src/*.egg-info)
     raw = dist.read_text("direct_url.json")
     url = json.loads(raw).get("url", "") if raw else ""
     path = Path(unquote(urlparse(url).path)).resolve() if url.startswith("file:") else None
@@ -96,8 +98,17 @@ def setup() -> None:
             cmd += ["-e", str(package)]
         _run(cmd)
         STAMP.write_text(fingerprint)
+    result = check_provenance(PYTHON)
+    if result.returncode != 0:
+        sys.exit(result.returncode)
+
+
+def check_provenance(python: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the provenance check with ``python``; it prints what it found or what is wrong."""
     names = [p.name for p in local_packages()]
-    _run([str(PYTHON), "-c", _PROVENANCE_CHECK, str(ROOT / "packages"), *names])
+    return subprocess.run(
+        [str(python), "-c", _PROVENANCE_CHECK, str(ROOT / "packages"), *names], cwd=ROOT, env=env
+    )
 
 
 def run_tests(extra: list[str]) -> int:

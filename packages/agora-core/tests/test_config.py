@@ -9,6 +9,7 @@ import pytest
 
 from agora_core.config import NodeSettings, RunConfig, load_run_config, parse_run_config
 from agora_core.errors import ConfigError
+from agora_core.rpc import RpcConfig
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -97,3 +98,11 @@ def test_link_setting_parses_into_a_link_config():
     settings = NodeSettings.resolve(environ={"AGORA_LINK": "up=100M,latency=20ms"})
     assert settings.link_config.up_bits_per_s == 100e6
     assert settings.link_config.latency_s == pytest.approx(0.02)
+
+
+def test_transport_section_configures_the_rpc_layer():
+    run = parse_run_config("[transport]\nchunk_bytes = 65536\ncompression = false\nstream_window = 3\n")
+    rpc = RpcConfig.from_transport(run.transport, max_inflight_requests=7)
+    assert rpc.wire.chunk_bytes == 65536 and not rpc.wire.compression.enabled
+    assert rpc.stream_window == 3 and rpc.max_inflight_requests == 7
+    assert rpc.wire.limits.max_message_bytes == run.transport.max_message_bytes

@@ -6,8 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agora_core.codec import CompressionPolicy
+from agora_core.config.run import TransportConfig
 from agora_core.dtypes import Tensor
-from agora_core.wire import WireConfig
+from agora_core.wire import WireConfig, WireLimits
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -20,6 +22,22 @@ class RpcConfig:
     max_connections: int = 256  # client connection pool size; idle ones are evicted LRU
     high_water_mark: int = 1000  # zmq messages queued per socket and peer
     reconnect_interval_s: float = 0.1  # first zmq reconnect delay; backs off to 20x
+
+    @classmethod
+    def from_transport(cls, transport: TransportConfig, **overrides: Any) -> RpcConfig:
+        """The RPC settings a run config's ``[transport]`` section asks for."""
+        wire = WireConfig(
+            chunk_bytes=transport.chunk_bytes,
+            compression=CompressionPolicy(enabled=transport.compression),
+            limits=WireLimits(max_message_bytes=transport.max_message_bytes),
+        )
+        settings = {
+            "wire": wire,
+            "default_timeout_s": transport.request_timeout_s,
+            "connect_timeout_s": transport.connect_timeout_s,
+            "stream_window": transport.stream_window,
+        }
+        return cls(**{**settings, **overrides})
 
     def __post_init__(self) -> None:
         positive = ("default_timeout_s", "connect_timeout_s", "reconnect_interval_s")

@@ -124,7 +124,7 @@ async def test_sixteen_clients_with_200_concurrent_calls_each_get_their_own_answ
 async def test_connection_is_reused_across_calls(server, client):
     for _ in range(5):
         await client.call(server.address, "echo")
-    assert len(client._connections) == 1
+    assert client.connections == 1
 
 
 async def test_unknown_method_names_what_the_server_serves(server, client):
@@ -195,7 +195,7 @@ async def test_peer_killed_mid_call_is_peer_unreachable_not_a_full_timeout(clien
     node, address = rpc_node
     assert (await client.call(address, "echo", "up")).meta == "up"
     call = asyncio.create_task(client.call(address, "hang", timeout_s=60))
-    await wait_until(lambda: any(c.pending for c in client._connections.values()), what="call pending")
+    await wait_until(lambda: any(p.pending for p in client._peers.values()), what="call pending")
     node.kill()
     t0 = time.monotonic()
     with pytest.raises(PeerUnreachable, match="lost"):
@@ -277,3 +277,41 @@ async def test_server_metrics_count_requests_and_rejections(client):
         assert ok == 1 and unknown == 1
     finally:
         await srv.stop()
+
+
+async def test_idle_connections_beyond_the_pool_size_are_closed():
+    servers = []
+    for _ in range(4):
+        srv = RpcServer()
+        srv.register("echo", _echo)
+        await srv.start()
+        servers.append(srv)
+    try:
+        async with RpcClient(config=RpcConfig(max_connections=2)) as client:
+            for _ in range(2):
+                for srv in servers:
+                    assert (await client.call(srv.address, "echo", srv.address)).meta == srv.address
+                    assert client.connections <= 2
+    finally:
+        for srv in servers:
+            await srv.stop()
+
+
+async def _echo(request):
+    return Payload(request.meta)
+
+
+async def test_a_restarted_peer_is_reachable_again_at_the_same_address(client):
+    first = RpcServer()
+    first.register("echo", _echo)
+    address = await first.start()
+    assert (await client.call(address, "echo", 1)).meta == 1
+    await first.stop()
+    await wait_until(lambda: client.connections == 0, what="the client to notice the loss")
+    second = RpcServer(listen=address.removeprefix("tcp://"))
+    second.register("echo", _echo)
+    await second.start()
+    try:
+        assert (await client.call(address, "echo", 2)).meta == 2
+    finally:
+        await second.stop()

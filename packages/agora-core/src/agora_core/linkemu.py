@@ -18,6 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agora_core.logs import get_logger
+
+log = get_logger("linkemu")
+
 
 @dataclass(kw_only=True, frozen=True)
 class LinkConfig:
@@ -134,9 +138,12 @@ class DelayLine:
             if wait > 0:
                 await asyncio.sleep(wait)
             self._queue.popleft()
-            result = self._deliver(item)
-            if result is not None:
-                await result
+            try:
+                result = self._deliver(item)
+                if result is not None:
+                    await result
+            except Exception as exc:  # like a packet lost on the link: the caller's deadline acts
+                log.warning("link_delivery_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 class LinkEmulator:

@@ -1,8 +1,12 @@
-"""The RPC client: one DEALER connection per peer, many calls in flight on each.
+"""The RPC client: one ROUTER socket for all peers, many calls in flight to each.
 
-Replies are matched to calls by request id. A connection is made on first use and reused; a
-socket monitor tells when it is up or lost, so a call to a dead or vanished peer fails with
-:class:`PeerUnreachable` instead of waiting out its whole deadline.
+A node talks to many peers (a full-membership DHT talks to all of them), so the client
+connects one ROUTER socket to every peer it calls, naming each connection with a routing id
+of its own, instead of opening a socket (and a monitor) per peer. Replies are matched to calls
+by request id. A connection is made on first use and reused; the socket's monitor says when
+it is up or lost, so a call to a dead or vanished peer fails with :class:`PeerUnreachable`
+instead of waiting out its whole deadline. Idle connections beyond ``max_connections`` are
+closed, least recently used first.
 """
 
 from __future__ import annotations
@@ -30,123 +34,8 @@ from agora_core.wire import Kind, Message, check_header, decode_tensors, encode,
 
 log = get_logger("rpc.client")
 
-
-class _Connection:
-    """One DEALER socket to one peer, its receive task and its monitor task."""
-
-    def __init__(self, client: RpcClient, address: str):
-        self.address = address
-        self._client = client
-        self._sock = new_socket(zmq.DEALER, client.config)
-        # Queue messages only on a completed connection, never for a peer that is not there.
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._monitor = SocketPump(monitor, self._on_monitor_event, name=f"rpc-monitor {address}")
-        self._sock.connect(address)
-        self._pump = SocketPump(self._sock, self._on_frames, link=client.link, name=f"rpc-client {address}")
-        self._ids = itertools.count(1)
-        self.pending: dict[int, asyncio.Future] = {}
-        self.streams: dict[int, ClientStream] = {}
-        self.connected = asyncio.Event()
-        self._ever_connected = False
-        self._monitor.start()
-        self._pump.start()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.pending or self.streams)
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def _on_monitor_event(self, frames: list) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])["event"]
-        if event == zmq.EVENT_CONNECTED:
-            self._ever_connected = True
-            self.connected.set()
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.connected.clear()
-            self.fail_all(PeerUnreachable(f"connection to {self.address} was lost"))
-
-    def fail_all(self, error: Exception) -> None:
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-        for stream in self.streams.values():
-            stream.resolve(error)
-
-    async def wait_connected(self, deadline: float) -> None:
-        if self.connected.is_set():
-            return
-        limit = min(self._client.config.connect_timeout_s, deadline - time.monotonic())
-        try:
-            await asyncio.wait_for(self.connected.wait(), max(limit, 0))
-        except TimeoutError:
-            raise PeerUnreachable(
-                f"no connection to {self.address} within {max(limit, 0):.2f} s"
-                + ("" if self._ever_connected else " (is a node listening there?)")
-            ) from None
-
-    async def send(self, message: Message, deadline: float | None = None) -> None:
-        message.sender = self._client.node_id
-        frames = encode(message, self._client.config.wire)
-        self._client.bytes_sent += frames_nbytes(frames)
-        await self._pump.send(frames, deadline)
-
-    def send_soon(self, message: Message) -> None:
-        """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""
-        task = asyncio.get_running_loop().create_task(self.send(message))
-        self._client.track(task)
-
-    def _on_frames(self, frames: list) -> None:
-        self._client.bytes_received += frames_nbytes(frames)
-        limits = self._client.config.wire.limits
-        try:
-            header = unpack_header(frames[0], limits)
-            message = check_header(header, limits)
-        except WireError as exc:
-            log.warning("bad_reply_dropped", peer=self.address, error=str(exc))
-            return
-        rid = message.request_id
-        future = self.pending.get(rid)
-        stream = self.streams.get(rid)
-        if future is None and stream is None:
-            return  # a reply to a call that already gave up
-        if message.kind in (Kind.RESPONSE, Kind.STREAM):
-            try:
-                message.tensors = decode_tensors(header, frames[1:], limits)
-            except WireError as exc:
-                self._settle(rid, future, stream, exc)
-                return
-        if message.kind == Kind.ERROR:
-            self._settle(rid, future, stream, rpc_error_from_code(message.error_code, message.error_message))
-        elif message.kind == Kind.RESPONSE:
-            self._settle(rid, future, stream, message)
-        elif stream is not None and message.kind == Kind.CREDIT:
-            stream.grant(message.credit)
-        elif stream is not None and message.kind == Kind.STREAM:
-            try:
-                stream.feed(message)
-            except Exception as exc:
-                self._settle(rid, None, stream, exc)
-                self.send_soon(Message(kind=Kind.CANCEL, request_id=rid))
-
-    @staticmethod
-    def _settle(rid: int, future, stream, outcome) -> None:
-        if future is not None and not future.done():
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-        if stream is not None:
-            stream.resolve(outcome)
-
-    async def close(self) -> None:
-        self.fail_all(PeerUnreachable(f"connection to {self.address} was closed"))
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        await self._monitor.close()
-        await self._pump.close()
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 
 
 class _Expired(Exception):
@@ -171,6 +60,28 @@ def _request(rid: int, method: str, deadline: float, meta, tensors, *, credit: i
     )
 
 
+class _Peer:
+    """One connection: its routing id on the client socket and the calls waiting on it."""
+
+    def __init__(self, address: str, routing_id: bytes):
+        self.address = address
+        self.routing_id = routing_id
+        self.connected = asyncio.Event()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.streams: dict[int, ClientStream] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.streams)
+
+    def fail_all(self, error: Exception) -> None:
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for stream in self.streams.values():
+            stream.resolve(error)
+
+
 class RpcClient:
     """Calls methods on remote :class:`RpcServer` nodes. Use from one event loop."""
 
@@ -185,7 +96,12 @@ class RpcClient:
         self.config = config or RpcConfig()
         self.link = link
         self.node_id = node_id
-        self._connections: collections.OrderedDict[str, _Connection] = collections.OrderedDict()
+        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()  # LRU order
+        self._by_routing_id: dict[bytes, _Peer] = {}
+        self._routing_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._pump: SocketPump | None = None
+        self._monitor: SocketPump | None = None
         self._background: set[asyncio.Task] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -194,52 +110,169 @@ class RpcClient:
             "agora_rpc_client_calls_total", "Calls made, by outcome.", ["outcome"]
         )
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
+        self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
 
-    def _count(self, outcome: str) -> None:
-        child = self._m_outcomes.get(outcome)
-        if child is None:
-            child = self._m_outcomes[outcome] = self._m_calls.labels(outcome=outcome)
-        child.inc()
+    # --- the socket and its connections -----------------------------------------------------
 
-    def track(self, task: asyncio.Task) -> None:
+    def _socket(self) -> SocketPump:
+        if self._pump is None:
+            sock = new_socket(zmq.ROUTER, self.config)
+            # Unroutable sends raise instead of vanishing silently.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED)
+            self._monitor = SocketPump(monitor, self._on_monitor_event, name="rpc-client monitor")
+            self._pump = SocketPump(sock, self._on_frames, link=self.link, name="rpc-client")
+            self._monitor.start()
+            self._pump.start()
+        return self._pump
+
+    def _peer(self, address: str) -> _Peer:
+        address = normalize_address(address)
+        peer = self._peers.get(address)
+        if peer is not None:
+            self._peers.move_to_end(address)
+            return peer
+        sock = self._socket().socket
+        if len(self._peers) >= self.config.max_connections:
+            for idle in [p for p in self._peers.values() if not p.busy][:1]:
+                self._drop(idle, None)  # the least recently used idle connection
+        peer = _Peer(address, b"p%d" % next(self._routing_ids))
+        sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer.routing_id)
+        sock.connect(address)
+        self._peers[address] = peer
+        self._by_routing_id[peer.routing_id] = peer
+        self._m_connections.set(len(self._peers))
+        return peer
+
+    def _drop(self, peer: _Peer, error: Exception | None) -> None:
+        """Forget a connection: fail its calls, close it so zmq stops reconnecting."""
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        self._by_routing_id.pop(peer.routing_id, None)
+        peer.fail_all(error or PeerUnreachable(f"connection to {peer.address} was closed"))
+        if self._pump is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._pump.socket.disconnect(peer.address)
+        self._m_connections.set(len(self._peers))
+
+    def _on_monitor_event(self, frames: list) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        peer = self._peers.get(event["endpoint"].decode())
+        if peer is None:
+            return
+        if event["event"] == _HANDSHAKE_SUCCEEDED:
+            peer.connected.set()
+        elif event["event"] == _DISCONNECTED:
+            self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
+
+    async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
+        if peer.connected.is_set():
+            return
+        limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
+        try:
+            await asyncio.wait_for(peer.connected.wait(), limit)
+        except TimeoutError:
+            error = PeerUnreachable(
+                f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"
+            )
+            self._drop(peer, error)
+            raise error from None
+
+    async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
+        message.sender = self.node_id
+        frames = encode(message, self.config.wire)
+        self.bytes_sent += frames_nbytes(frames)
+        try:
+            await self._socket().send([peer.routing_id, *frames], deadline)
+        except ConnectionError:
+            raise PeerUnreachable(f"connection to {peer.address} is gone") from None
+
+    def _send_soon(self, peer: _Peer, message: Message) -> None:
+        """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""
+        if peer.routing_id not in self._by_routing_id:
+            return
+        task = asyncio.get_running_loop().create_task(self._send(peer, message))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve, ignore
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _connection(self, address: str) -> _Connection:
-        address = normalize_address(address)
-        conn = self._connections.get(address)
-        if conn is not None:
-            self._connections.move_to_end(address)
-            return conn
-        if len(self._connections) >= self.config.max_connections:
-            for old_address, old in list(self._connections.items()):
-                if not old.busy:  # evict the least recently used idle connection
-                    del self._connections[old_address]
-                    self.track(asyncio.get_running_loop().create_task(old.close()))
-                    break
-        conn = _Connection(self, address)
-        self._connections[address] = conn
-        return conn
+    # --- incoming messages -------------------------------------------------------------------
+
+    def _on_frames(self, frames: list) -> None:
+        self.bytes_received += frames_nbytes(frames)
+        peer = self._by_routing_id.get(frames[0].bytes)
+        if peer is None or len(frames) < 2:
+            return  # from a connection already dropped
+        limits = self.config.wire.limits
+        try:
+            header = unpack_header(frames[1], limits)
+            message = check_header(header, limits)
+        except WireError as exc:
+            log.warning("bad_reply_dropped", peer=peer.address, error=str(exc))
+            return
+        rid = message.request_id
+        future = peer.pending.get(rid)
+        stream = peer.streams.get(rid)
+        if future is None and stream is None:
+            return  # a reply to a call that already gave up
+        if message.kind in (Kind.RESPONSE, Kind.STREAM):
+            try:
+                message.tensors = decode_tensors(header, frames[2:], limits)
+            except WireError as exc:
+                _settle(future, stream, exc)
+                return
+        if message.kind == Kind.ERROR:
+            _settle(future, stream, rpc_error_from_code(message.error_code, message.error_message))
+        elif message.kind == Kind.RESPONSE:
+            _settle(future, stream, message)
+        elif stream is not None and message.kind == Kind.CREDIT:
+            stream.grant(message.credit)
+        elif stream is not None and message.kind == Kind.STREAM:
+            try:
+                stream.feed(message)
+            except Exception as exc:
+                _settle(None, stream, exc)
+                self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
+
+    # --- lifecycle ---------------------------------------------------------------------------
 
     async def disconnect(self, address: str) -> None:
-        """Drop the connection to ``address`` (pending calls fail with PeerUnreachable)."""
-        conn = self._connections.pop(normalize_address(address), None)
-        if conn is not None:
-            await conn.close()
+        """Close the connection to ``address`` (pending calls fail with PeerUnreachable)."""
+        peer = self._peers.get(normalize_address(address))
+        if peer is not None:
+            self._drop(peer, None)
 
     async def close(self) -> None:
-        conns = list(self._connections.values())
-        self._connections.clear()
-        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        for peer in list(self._peers.values()):
+            self._drop(peer, None)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        for pump in (self._pump, self._monitor):
+            if pump is not None:
+                if pump is self._pump:
+                    with contextlib.suppress(zmq.ZMQError):
+                        pump.socket.disable_monitor()
+                await pump.close()
+        self._pump = self._monitor = None
 
     async def __aenter__(self) -> RpcClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    @property
+    def connections(self) -> int:
+        return len(self._peers)
+
+    # --- calls -------------------------------------------------------------------------------
+
+    def _count(self, outcome: str) -> None:
+        child = self._m_outcomes.get(outcome)
+        if child is None:
+            child = self._m_outcomes[outcome] = self._m_calls.labels(outcome=outcome)
+        child.inc()
 
     def _deadline(self, timeout_s: float | None) -> float:
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
@@ -263,24 +296,25 @@ class RpcClient:
         Cancelling the awaiting task cancels the handler on the server too.
         """
         deadline = self._deadline(timeout_s)
-        conn = self._connection(address)
-        rid = conn.next_id()
+        peer = self._peer(address)
+        rid = next(self._request_ids)
         future = asyncio.get_running_loop().create_future()
-        conn.pending[rid] = future
+        peer.pending[rid] = future
         outcome = "ok"
         sent = False
         # One timer per call: on expiry it fails the future (cheaper than asyncio.timeout).
         timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
         try:
-            await conn.wait_connected(deadline)
-            await conn.send(_request(rid, method, deadline, meta, tensors), deadline)
+            await self._wait_connected(peer, deadline)
+            await self._send(peer, _request(rid, method, deadline, meta, tensors), deadline)
             sent = True
             reply: Message = await future
             return Payload(reply.meta, reply.tensors)
         except (_Expired, TimeoutError):
             outcome = DeadlineExceeded.code
             raise DeadlineExceeded(
-                f"{method!r} on {conn.address}: no reply within {timeout_s or self.config.default_timeout_s:g} s"
+                f"{method!r} on {peer.address}: no reply within "
+                f"{timeout_s or self.config.default_timeout_s:g} s"
             ) from None
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -290,9 +324,9 @@ class RpcClient:
             raise
         finally:
             timer.cancel()
-            conn.pending.pop(rid, None)
+            peer.pending.pop(rid, None)
             if sent and outcome in ("cancelled", DeadlineExceeded.code):
-                conn.send_soon(Message(kind=Kind.CANCEL, request_id=rid))
+                self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
             self._count(outcome)
 
     @contextlib.asynccontextmanager
@@ -312,21 +346,23 @@ class RpcClient:
         before the final reply cancels the call on the server.
         """
         deadline = self._deadline(timeout_s)
-        conn = self._connection(address)
-        rid = conn.next_id()
+        peer = self._peer(address)
+        rid = next(self._request_ids)
         stream = ClientStream(
             request_id=rid,
             method=method,
             window=self.config.stream_window,
             peer_window=0,  # the server grants credit once it accepted the call
             deadline=deadline,
-            send_message=conn.send,
+            send_message=lambda message: self._send(peer, message, deadline),
         )
-        conn.streams[rid] = stream
+        peer.streams[rid] = stream
         outcome = "ok"
         try:
-            await conn.wait_connected(deadline)
-            await conn.send(_request(rid, method, deadline, meta, tensors, credit=self.config.stream_window))
+            await self._wait_connected(peer, deadline)
+            await self._send(
+                peer, _request(rid, method, deadline, meta, tensors, credit=self.config.stream_window)
+            )
             yield stream
         except BaseException as exc:
             outcome = getattr(
@@ -334,7 +370,17 @@ class RpcClient:
             )
             raise
         finally:
-            conn.streams.pop(rid, None)
+            peer.streams.pop(rid, None)
             if not stream.done:
-                conn.send_soon(Message(kind=Kind.CANCEL, request_id=rid))
+                self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
             self._count(outcome)
+
+
+def _settle(future: asyncio.Future | None, stream: ClientStream | None, outcome) -> None:
+    if future is not None and not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    if stream is not None:
+        stream.resolve(outcome)

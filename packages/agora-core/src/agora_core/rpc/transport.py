@@ -2,16 +2,17 @@
 
 The socket is a plain (non-asyncio) zmq socket. Its file descriptor is registered with the
 loop; when it signals, we drain every ready message without blocking. Sends are attempted
-without blocking too, and only a send that would block (no connection yet, high-water mark)
-waits in an ordered outbox. This costs far less per message than one future per
-``recv``/``send``, and everything runs on the loop's thread: no socket is touched by two
-threads.
+without blocking too; only a send that would block (a peer's high-water mark) waits, in an
+outbox of its own destination, so one slow peer never holds up messages to the others. This
+costs far less per message than one future per ``recv``/``send``, and everything runs on the
+loop's thread: no socket is touched by two threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -29,6 +30,21 @@ _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+# Many nodes can share a process (tests, benchmarks): allow far more than zmq's 1023 sockets.
+_MAX_SOCKETS = 16384
+
+_context: zmq.Context | None = None
+_context_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """The process-wide zmq context of Agora's sockets."""
+    global _context
+    with _context_lock:
+        if _context is None or _context.closed:
+            _context = zmq.Context()
+            _context.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)
+        return _context
 
 
 def frames_nbytes(frames: Sequence) -> int:
@@ -45,7 +61,7 @@ def normalize_address(address: str) -> str:
 
 
 def new_socket(kind: int, config: RpcConfig) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+    sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # zmq disconnects a peer that sends a larger frame, before allocating it.
     sock.setsockopt(zmq.MAXMSGSIZE, config.wire.limits.max_frame_bytes + 1024)
@@ -60,9 +76,10 @@ def new_socket(kind: int, config: RpcConfig) -> zmq.Socket:
 class SocketPump:
     """Owns one socket on the running loop: reads it, writes it, closes it.
 
-    ``on_frames`` gets each received multipart message (a list of ``zmq.Frame``). With a link
-    emulator, outgoing messages pass the node's upload pipe and incoming ones its download
-    pipe first.
+    ``on_frames`` gets each received multipart message (a list of ``zmq.Frame``). Outgoing
+    messages start with their destination's routing id (ROUTER sockets), which also keys the
+    outbox they wait in when zmq cannot take them yet. With a link emulator, outgoing messages
+    pass the node's upload pipe and incoming ones its download pipe first.
     """
 
     def __init__(
@@ -77,7 +94,8 @@ class SocketPump:
         self._on_frames = on_frames
         self._name = name
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: collections.deque[tuple[list, asyncio.Future | None]] = collections.deque()
+        # destination routing id -> messages waiting for room, in order
+        self._outboxes: dict[bytes, collections.deque[tuple[list, asyncio.Future]]] = {}
         self._closed = False
         self._drain_scheduled = False
         self._up: DelayLine | None = None
@@ -97,11 +115,12 @@ class SocketPump:
     # --- sending ---------------------------------------------------------------------------
 
     async def send(self, frames: list, deadline: float | None = None) -> None:
-        """Send one multipart message; raw buffers go without copying.
+        """Send one multipart message ``[routing id, *parts]``; buffers go without copying.
 
         Returns once zmq has the message (or, with an emulated link, once it is queued on the
         upload pipe); waits only while zmq cannot take it, at most until ``deadline``
-        (``time.monotonic()``), then raises TimeoutError.
+        (``time.monotonic()``), then raises TimeoutError. Raises ConnectionError when the
+        destination is unknown to the socket.
         """
         if self._closed:
             raise ConnectionError(f"{self._name} is closed")
@@ -111,17 +130,27 @@ class SocketPump:
         await self._send_now(frames, deadline)
 
     async def _send_now(self, frames: list, deadline: float | None = None) -> None:
-        if not self._outbox and self._try_send(frames):
+        key = bytes(frames[0])
+        if key not in self._outboxes and self._try_send(frames):
             return
         future = self._loop.create_future()
-        self._outbox.append((frames, future))
+        self._outboxes.setdefault(key, collections.deque()).append((frames, future))
         try:
             async with asyncio.timeout_at(deadline):
                 await future
         except BaseException:
-            # Still queued: drop it so an abandoned message is never sent late.
-            self._outbox = collections.deque(item for item in self._outbox if item[1] is not future)
+            self._discard(key, future)  # never send an abandoned message late
             raise
+
+    def _discard(self, key: bytes, future: asyncio.Future) -> None:
+        box = self._outboxes.get(key)
+        if box is None:
+            return
+        kept = collections.deque(item for item in box if item[1] is not future)
+        if kept:
+            self._outboxes[key] = kept
+        else:
+            del self._outboxes[key]
 
     def _try_send(self, frames: list) -> bool:
         # Part by part with plain-int flags: pyzmq's send_multipart spends more time on flag
@@ -134,23 +163,36 @@ class SocketPump:
             sock.send(frames[-1], _NOBLOCK, copy=False)
         except zmq.Again:
             return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise ConnectionError(f"{self._name}: no route to the destination") from None
+            raise
         # A send can swallow the fd's edge for messages that arrived meanwhile: look again.
         # Reading EVENTS also re-arms the fd, so nothing is missed when none are waiting.
-        if self._sock.getsockopt(_EVENTS) & _POLLIN:
+        if sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule_drain()
         return True
 
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            frames, future = self._outbox[0]
-            if future is not None and future.done():  # the sender gave up
-                self._outbox.popleft()
-                continue
-            if not self._try_send(frames):
-                return
-            self._outbox.popleft()
-            if future is not None:
+    def _flush_outboxes(self) -> None:
+        for key in list(self._outboxes):
+            box = self._outboxes[key]
+            while box:
+                frames, future = box[0]
+                if future.done():  # the sender gave up
+                    box.popleft()
+                    continue
+                try:
+                    sent = self._try_send(frames)
+                except ConnectionError as exc:
+                    box.popleft()
+                    future.set_exception(exc)
+                    continue
+                if not sent:
+                    break
+                box.popleft()
                 future.set_result(None)
+            if not box:
+                del self._outboxes[key]
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -181,8 +223,8 @@ class SocketPump:
                 return
         else:
             self._schedule_drain()  # budget spent with more waiting: continue next turn
-        if self._outbox:
-            self._flush_outbox()
+        if self._outboxes:
+            self._flush_outboxes()
 
     def _dispatch(self, frames: list) -> None:
         # A dispatcher bug must not kill the socket's only reader: log it and keep serving.
@@ -190,6 +232,12 @@ class SocketPump:
             self._on_frames(frames)
         except Exception:
             log.exception("dispatch_failed", socket=self._name)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._sock
 
     async def close(self) -> None:
         if self._closed:
@@ -200,8 +248,9 @@ class SocketPump:
                 await line.stop()
         if self._loop is not None:
             self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
-        for _frames, future in self._outbox:
-            if future is not None and not future.done():
-                future.set_exception(ConnectionError(f"{self._name} closed before sending"))
-        self._outbox.clear()
+        for box in self._outboxes.values():
+            for _frames, future in box:
+                if not future.done():
+                    future.set_exception(ConnectionError(f"{self._name} closed before sending"))
+        self._outboxes.clear()
         self._sock.close(linger=0)

@@ -186,9 +186,9 @@ async def test_nobody_listening_is_peer_unreachable_quickly(client):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # a port with no listener once the socket closes
     t0 = time.monotonic()
-    with pytest.raises(PeerUnreachable, match="no connection"):
+    with pytest.raises(PeerUnreachable, match=r"could not connect|no connection"):
         await client.call(f"127.0.0.1:{port}", "echo", timeout_s=30)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 2  # refused: no need to wait for the connect timeout
 
 
 async def test_peer_killed_mid_call_is_peer_unreachable_not_a_full_timeout(client, rpc_node):

@@ -13,13 +13,14 @@ import click
 import numpy as np
 
 from agora_core import __version__
-from agora_core.config import NodeSettings, load_run_config
+from agora_core.config import NodeSettings, RunConfig, load_run_config
+from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.rpc import Payload, Request, RpcClient, RpcServer
+from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -180,4 +181,127 @@ def serve(listen, metrics_port, link, log_format, duration_s, self_check) -> Non
     try:
         asyncio.run(_serve(settings, duration_s, self_check))
     except OSError as exc:
+        _fail(str(exc), code=1)
+
+
+# --- the DHT ---------------------------------------------------------------------------------
+
+
+@main.group()
+def dht() -> None:
+    """The run's gossip DHT."""
+
+
+async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: float, duration_s) -> None:
+    log = get_logger("dht.cli")
+    key = NodeKey.load_or_create(settings.key_file)
+    metrics = NodeMetrics(role="dht", instance=key.node_id[:12])
+    link = LinkEmulator(settings.link_config) if settings.link_config else None
+    node = DhtNode(
+        key=key,
+        config=run.dht,
+        listen=settings.listen,
+        advertise=settings.advertise,
+        bootstrap=bootstrap,
+        rpc_config=RpcConfig.from_transport(run.transport),
+        link=link,
+        metrics=metrics,
+    )
+    address = await node.start()
+    endpoint = metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    click.echo(f"agora dht node {key.node_id}")
+    click.echo(f"  serving    {address}", nl=True)
+    click.echo(f"  members    {len(node.members())}")
+    if endpoint is not None:
+        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    last_ops, last_traffic, last_t = 0, node.traffic(), started
+    try:
+        while not stop.is_set():
+            wait = status_interval_s
+            if duration_s is not None:
+                wait = min(wait, max(0.0, started + duration_s - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            now = time.monotonic()
+            ops = node.ops_done
+            traffic = node.traffic()
+            latencies = sorted(seconds for _op, seconds in node.recent_ops)
+            log.info(
+                "dht_status",
+                members=len(node.members()),
+                records=len(node.records),
+                ops_per_s=round((ops - last_ops) / max(now - last_t, 1e-9), 1),
+                op_p50_ms=round(latencies[len(latencies) // 2] * 1e3, 2) if latencies else None,
+                messages_per_s=round((traffic[0] - last_traffic[0]) / max(now - last_t, 1e-9), 1),
+                bytes_per_s=round((traffic[1] - last_traffic[1]) / max(now - last_t, 1e-9)),
+            )
+            last_ops, last_traffic, last_t = ops, traffic, now
+            if duration_s is not None and now - started >= duration_s:
+                break
+    finally:
+        await node.stop(leave=True)
+        if endpoint is not None:
+            endpoint.close()
+        click.echo("stopped")
+
+
+@dht.command("serve")
+@click.option("--listen", help="host:port to serve on (default 127.0.0.1:0, a free port).")
+@click.option("--advertise", help="Address others should dial, if not the listen address.")
+@click.option("--bootstrap", multiple=True, help="Address of a member to join through (repeatable).")
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False), help="Run config TOML (its [dht] section)."
+)
+@click.option(
+    "--key-file", help="Node key (created if missing). Default: $AGORA_KEY_FILE or ~/.agora/node.key."
+)
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any).")
+@click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".')
+@click.option("--log-format", type=click.Choice(["auto", "console", "json"]))
+@click.option(
+    "--status-interval",
+    "status_interval_s",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between status log lines.",
+)
+@click.option("--duration", "duration_s", type=float, help="Leave and stop after this many seconds.")
+def dht_serve(
+    listen,
+    advertise,
+    bootstrap,
+    config_file,
+    key_file,
+    metrics_port,
+    link,
+    log_format,
+    status_interval_s,
+    duration_s,
+) -> None:
+    """Run a DHT node (a seed when --bootstrap is not given) until Ctrl-C."""
+    try:
+        settings = NodeSettings.resolve(
+            {
+                "listen": listen,
+                "advertise": advertise,
+                "key_file": key_file,
+                "metrics_port": metrics_port,
+                "link": link,
+                "log_format": log_format,
+            }
+        )
+        run = load_run_config(config_file) if config_file else RunConfig()
+    except ConfigError as exc:
+        _fail(str(exc))
+    configure_logging(fmt=settings.log_format, level=settings.log_level)
+    try:
+        asyncio.run(_serve_dht(settings, run, list(bootstrap), status_interval_s, duration_s))
+    except (OSError, AgoraError) as exc:
         _fail(str(exc), code=1)

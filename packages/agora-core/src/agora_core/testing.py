@@ -82,17 +82,19 @@ class ChildProcess:
         self.proc.wait(timeout=10)
 
     def stop(self, *, timeout_s: float = 10.0) -> int:
-        """Close stdin, then SIGTERM, then SIGKILL, each with a deadline; returns the code."""
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                return self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, sig)
-        return self.proc.wait(timeout=timeout_s)
+        """Close stdin and send SIGTERM (a child may stop on either), SIGKILL after
+        ``timeout_s``; returns the exit code."""
+        if self.proc.poll() is None:
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=timeout_s)
 
 
 @contextlib.contextmanager

@@ -164,10 +164,17 @@ class DhtConfig:
     max_clock_skew_s: float = 30.0
     max_value_bytes: int = 64 * 1024
     max_subkeys: int = 4096
+    op_timeout_s: float = 5.0  # a store/get waits this long for its replicas
+    join_timeout_s: float = 30.0  # keep trying the bootstrap addresses this long
+    sync_periods: int = 10  # every this many periods: membership and record anti-entropy
+    tombstone_s: float = 60.0  # how long departed members are remembered (blocks stale gossip)
+    piggyback_updates: int = 16  # membership updates carried per protocol message
 
     def __post_init__(self) -> None:
         require(self.replication >= 1, "replication", "must be >= 1")
         require(self.indirect_probes >= 0, "indirect_probes", "must be >= 0")
+        require(self.sync_periods >= 1, "sync_periods", "must be >= 1")
+        require(self.piggyback_updates >= 1, "piggyback_updates", "must be >= 1")
         for name in (
             "gossip_period_s",
             "probe_timeout_s",
@@ -175,6 +182,9 @@ class DhtConfig:
             "record_ttl_s",
             "max_expiration_ahead_s",
             "max_clock_skew_s",
+            "op_timeout_s",
+            "join_timeout_s",
+            "tombstone_s",
         ):
             require(getattr(self, name) > 0, name, "must be positive")
         require(

@@ -4,7 +4,7 @@ from agora_core.rpc.client import RpcClient
 from agora_core.rpc.server import RpcServer
 from agora_core.rpc.streams import ClientStream, ServerStream, StreamChannel
 from agora_core.rpc.tensor_stream import TensorAssembler, receive_tensor, send_tensor
-from agora_core.rpc.types import Payload, Request, RpcConfig
+from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 
 __all__ = [
     "ClientStream",
@@ -16,6 +16,7 @@ __all__ = [
     "ServerStream",
     "StreamChannel",
     "TensorAssembler",
+    "Traffic",
     "receive_tensor",
     "send_tensor",
 ]

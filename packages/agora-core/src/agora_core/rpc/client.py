@@ -29,13 +29,14 @@ from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.streams import ClientStream
 from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
-from agora_core.rpc.types import Payload, RpcConfig
+from agora_core.rpc.types import Payload, RpcConfig, Traffic
 from agora_core.wire import Kind, Message, check_header, decode_tensors, encode, unpack_header
 
 log = get_logger("rpc.client")
 
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (refused, ...)
 
 
 class _Expired(Exception):
@@ -66,7 +67,9 @@ class _Peer:
     def __init__(self, address: str, routing_id: bytes):
         self.address = address
         self.routing_id = routing_id
-        self.connected = asyncio.Event()
+        self.connected = False
+        self.error: Exception | None = None  # why the connection was dropped
+        self.settled = asyncio.Event()  # connected, or dropped: either ends a wait to connect
         self.pending: dict[int, asyncio.Future] = {}
         self.streams: dict[int, ClientStream] = {}
 
@@ -75,6 +78,8 @@ class _Peer:
         return bool(self.pending or self.streams)
 
     def fail_all(self, error: Exception) -> None:
+        self.error = error
+        self.settled.set()
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(error)
@@ -103,8 +108,7 @@ class RpcClient:
         self._pump: SocketPump | None = None
         self._monitor: SocketPump | None = None
         self._background: set[asyncio.Task] = set()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.traffic = Traffic()
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
         self._m_calls = metrics.counter(
             "agora_rpc_client_calls_total", "Calls made, by outcome.", ["outcome"]
@@ -119,7 +123,7 @@ class RpcClient:
             sock = new_socket(zmq.ROUTER, self.config)
             # Unroutable sends raise instead of vanishing silently.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED)
             self._monitor = SocketPump(monitor, self._on_monitor_event, name="rpc-client monitor")
             self._pump = SocketPump(sock, self._on_frames, link=self.link, name="rpc-client")
             self._monitor.start()
@@ -161,27 +165,33 @@ class RpcClient:
         if peer is None:
             return
         if event["event"] == _HANDSHAKE_SUCCEEDED:
-            peer.connected.set()
+            peer.connected = True
+            peer.settled.set()
         elif event["event"] == _DISCONNECTED:
             self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
+        elif event["event"] == _CONNECT_RETRIED and not peer.connected:
+            # Nobody accepted the connection (on a LAN or loopback: refused). Fail the calls
+            # now rather than at the connect timeout; the next call tries afresh.
+            self._drop(peer, PeerUnreachable(f"could not connect to {peer.address} (refused)"))
 
     async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
-        if peer.connected.is_set():
-            return
-        limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
-        try:
-            await asyncio.wait_for(peer.connected.wait(), limit)
-        except TimeoutError:
-            error = PeerUnreachable(
-                f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"
-            )
-            self._drop(peer, error)
-            raise error from None
+        if not peer.settled.is_set():
+            limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
+            try:
+                await asyncio.wait_for(peer.settled.wait(), limit)
+            except TimeoutError:
+                error = PeerUnreachable(
+                    f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"
+                )
+                self._drop(peer, error)
+                raise error from None
+        if peer.error is not None:
+            raise peer.error
 
     async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
-        self.bytes_sent += frames_nbytes(frames)
+        self.traffic.sent(frames_nbytes(frames))
         try:
             await self._socket().send([peer.routing_id, *frames], deadline)
         except ConnectionError:
@@ -199,7 +209,7 @@ class RpcClient:
     # --- incoming messages -------------------------------------------------------------------
 
     def _on_frames(self, frames: list) -> None:
-        self.bytes_received += frames_nbytes(frames)
+        self.traffic.received(frames_nbytes(frames))
         peer = self._by_routing_id.get(frames[0].bytes)
         if peer is None or len(frames) < 2:
             return  # from a connection already dropped
@@ -324,6 +334,8 @@ class RpcClient:
             raise
         finally:
             timer.cancel()
+            if future.done() and not future.cancelled():
+                future.exception()  # failed while we waited elsewhere (connecting): seen here
             peer.pending.pop(rid, None)
             if sent and outcome in ("cancelled", DeadlineExceeded.code):
                 self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))

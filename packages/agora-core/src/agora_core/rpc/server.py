@@ -33,7 +33,7 @@ from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.streams import ServerStream
 from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
-from agora_core.rpc.types import Payload, Request, RpcConfig
+from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 from agora_core.wire import (
     Kind,
     Message,
@@ -117,6 +117,7 @@ class RpcServer:
         )
         self._m_received = server_bytes.labels(direction="received")
         self._m_sent = server_bytes.labels(direction="sent")
+        self.traffic = Traffic()  # the same, as plain numbers for tools and benchmarks
 
     # --- registration and lifecycle --------------------------------------------------------
 
@@ -177,7 +178,9 @@ class RpcServer:
         self._m_rejected.labels(reason=reason).inc()
 
     def _on_frames(self, frames: list) -> None:
-        self._m_received.inc(frames_nbytes(frames))
+        nbytes = frames_nbytes(frames)
+        self._m_received.inc(nbytes)
+        self.traffic.received(nbytes)
         if len(frames) < 2:
             self._reject("malformed")
             return
@@ -350,7 +353,9 @@ class RpcServer:
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
         if self._pump is not None:
-            self._m_sent.inc(frames_nbytes(frames))
+            nbytes = frames_nbytes(frames)
+            self._m_sent.inc(nbytes)
+            self.traffic.sent(nbytes)
             await self._pump.send([identity, *frames])
 
     async def _send_error(self, identity: bytes, rid: int, error: RpcError) -> None:

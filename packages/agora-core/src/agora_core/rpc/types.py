@@ -71,3 +71,21 @@ class Request:
     @property
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Messages and bytes through one socket, as plain counters (cheap to read)."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+
+    def sent(self, nbytes: int) -> None:
+        self.messages_sent += 1
+        self.bytes_sent += nbytes
+
+    def received(self, nbytes: int) -> None:
+        self.messages_received += 1
+        self.bytes_received += nbytes

@@ -1,0 +1,82 @@
+"""A DHT node for callers outside asyncio: the node runs on its own event-loop thread.
+
+Every method submits a coroutine to that loop and waits for it with a deadline, so the node's
+sockets stay on one thread however many threads call in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from agora_core.dht.membership import Member
+from agora_core.dht.node import DhtNode, DhtValue
+from agora_core.identity import NodeKey
+
+
+class BlockingDht:
+    def __init__(self, *, timeout_s: float = 30.0, **node_kwargs: Any):
+        """``node_kwargs`` are DhtNode's; ``timeout_s`` bounds every call made through here."""
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agora-dht", daemon=True)
+        self._thread.start()
+        self.node: DhtNode = self._run(self._make(node_kwargs))
+
+    @staticmethod
+    async def _make(node_kwargs: dict) -> DhtNode:
+        return DhtNode(**node_kwargs)  # created on the loop that will own its sockets
+
+    def _run(self, coro, timeout_s: float | None = None):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self.timeout_s if timeout_s is None else timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @property
+    def address(self) -> str | None:
+        return self.node.address
+
+    def start(self) -> str:
+        return self._run(self.node.start(), self.node.config.join_timeout_s + self.timeout_s)
+
+    def stop(self, *, leave: bool = True) -> None:
+        if not self._loop.is_running():
+            return
+        try:
+            self._run(self.node.stop(leave=leave))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=self.timeout_s)
+            self._loop.close()
+
+    def __enter__(self) -> BlockingDht:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def store(
+        self, key: str, subkey: str, value: Any, expiration: float, *, signer: NodeKey | None = None
+    ) -> int:
+        return self._run(self.node.store(key, subkey, value, expiration, signer=signer))
+
+    def get(self, key: str) -> dict[str, DhtValue]:
+        return self._run(self.node.get(key))
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, DhtValue]]:
+        return self._run(self.node.get_many(keys))
+
+    def delete(self, key: str, subkey: str, *, signer: NodeKey | None = None) -> int:
+        return self._run(self.node.delete(key, subkey, signer=signer))
+
+    def members(self) -> list[Member]:
+        async def read() -> list[Member]:
+            return self.node.members()
+
+        return self._run(read())

@@ -1,0 +1,85 @@
+"""SWIM failure detection: each period, probe one member directly, then through k others.
+
+Targets are taken round-robin from a shuffled list of the other members, so every member is
+probed within two passes of the list. A member that answers neither the direct ping nor any
+of the ``indirect_probes`` helpers within the period becomes suspect; the member table turns
+a suspicion that nobody refutes into death after the suspicion timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+from agora_core.dht.membership import GONE, Member, MemberTable
+
+Ping = Callable[[Member, float], Awaitable[bool]]  # (target, timeout_s) -> answered
+PingThrough = Callable[[Member, Member, float], Awaitable[bool]]  # (helper, target, timeout_s)
+
+
+class FailureDetector:
+    def __init__(
+        self,
+        table: MemberTable,
+        *,
+        period_s: float,
+        probe_timeout_s: float,
+        indirect_probes: int,
+        ping: Ping,
+        ping_through: PingThrough,
+        rng: random.Random | None = None,
+    ):
+        self._table = table
+        self._period_s = period_s
+        self._probe_timeout_s = probe_timeout_s
+        self._indirect = indirect_probes
+        self._ping = ping
+        self._ping_through = ping_through
+        self._rng = rng or random.Random()
+        self._order: list[str] = []
+        self.probes = 0
+        self.failed_probes = 0
+
+    def _next_target(self) -> Member | None:
+        for _ in range(2):
+            while self._order:
+                member = self._table.get(self._order.pop())
+                if member is not None and member.status not in GONE and member is not self._table.me:
+                    return member
+            self._order = [m.node_id for m in self._table.others()]
+            self._rng.shuffle(self._order)
+        return None
+
+    async def probe_once(self) -> None:
+        """One protocol period's probe; returns within the period."""
+        target = self._next_target()
+        if target is None:
+            return
+        self.probes += 1
+        deadline = time.monotonic() + self._period_s
+        if await self._ping(target, self._probe_timeout_s):
+            return
+        helpers = [m for m in self._table.others() if m.node_id != target.node_id]
+        helpers = self._rng.sample(helpers, min(self._indirect, len(helpers)))
+        remaining = deadline - time.monotonic()
+        if helpers and remaining > 0:
+            answers = await asyncio.gather(*(self._ping_through(h, target, remaining) for h in helpers))
+            if any(answers):
+                return
+        self.failed_probes += 1
+        self._table.suspect(target.node_id)
+
+    async def run(self) -> None:
+        """Probe once per period at a fixed cadence, and age suspicions, until cancelled."""
+        next_tick = time.monotonic()
+        while True:
+            next_tick += self._period_s
+            await self.probe_once()
+            self._table.expire()
+            delay = next_tick - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                next_tick = time.monotonic()  # overran (a slow period): do not try to catch up

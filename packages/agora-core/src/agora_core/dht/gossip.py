@@ -1,0 +1,183 @@
+"""Membership traffic of a DHT node: joining, SWIM probes with piggybacked updates, push-pull.
+
+This is the glue between the member table, the failure detector and the RPC layer: the
+``dht.join``, ``dht.ping``, ``dht.ping_req``, ``dht.sync`` and ``dht.members`` methods, and the
+calls that reach them on other nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agora_core.config.run import DhtConfig
+from agora_core.dht.detector import FailureDetector
+from agora_core.dht.membership import Member, MemberTable, Status, parse_update
+from agora_core.dht.records import DhtError
+from agora_core.errors import BadRequest, RpcError
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, Request, RpcClient, RpcServer
+
+
+class Gossip:
+    def __init__(
+        self,
+        me: Member,
+        *,
+        config: DhtConfig,
+        server: RpcServer,
+        client: RpcClient,
+        metrics: NodeMetrics,
+        rng: random.Random,
+        on_change: Callable[[], None],
+    ):
+        self.config = config
+        self.client = client
+        self._rng = rng
+        self.table = MemberTable(
+            me,
+            suspicion_timeout_s=config.suspicion_timeout_s,
+            tombstone_s=config.tombstone_s,
+            on_change=on_change,
+        )
+        self.detector = FailureDetector(
+            self.table,
+            period_s=config.gossip_period_s,
+            probe_timeout_s=config.probe_timeout_s,
+            indirect_probes=config.indirect_probes,
+            ping=self.ping,
+            ping_through=self.ping_through,
+            rng=rng,
+        )
+        self._m_sent = metrics.counter(
+            "agora_dht_gossip_messages_total", "Membership messages sent.", ["kind"]
+        )
+        for method, handler in (
+            ("dht.join", self._on_join),
+            ("dht.ping", self._on_ping),
+            ("dht.ping_req", self._on_ping_req),
+            ("dht.sync", self._on_sync),
+            ("dht.members", self._on_members),
+        ):
+            server.register(method, handler)
+
+    async def leave(self) -> None:
+        """Announce our departure directly to a few members, then let gossip carry it."""
+        self.table.leave()
+        others = self.table.others()
+        targets = self._rng.sample(others, min(len(others), max(3, self.config.indirect_probes)))
+        await asyncio.gather(*(self.ping(m, self.config.probe_timeout_s * 2) for m in targets))
+
+    async def join(self, bootstrap: Sequence[str]) -> None:
+        """Get the member list from the first bootstrap address that answers."""
+        targets = [a for a in bootstrap if a != self.table.me.address]
+        if not targets:
+            return  # the first node of a swarm
+        deadline = time.monotonic() + self.config.join_timeout_s
+        errors: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            for address in targets:
+                try:
+                    reply = await self.client.call(
+                        address,
+                        "dht.join",
+                        {"member": self.table.me.to_wire()},
+                        timeout_s=self.config.op_timeout_s,
+                    )
+                except RpcError as exc:
+                    errors[address] = str(exc)
+                    continue
+                self.table.apply_all(reply.meta.get("members") if isinstance(reply.meta, dict) else None)
+                return
+            await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - time.monotonic())))
+        raise DhtError(f"could not join through any of {targets}: {errors}")
+
+    def _meta(self) -> dict:
+        return {
+            "from": self.table.me.to_wire(),
+            "updates": self.table.piggyback(self.config.piggyback_updates),
+        }
+
+    def _absorb(self, meta: Any) -> None:
+        if not isinstance(meta, dict):
+            return
+        sender = parse_update(meta.get("from"))
+        if sender is not None:
+            self.table.apply(sender)
+        self.table.apply_all(meta.get("updates"))
+
+    async def ping(self, member: Member, timeout_s: float) -> bool:
+        self._m_sent.labels(kind="ping").inc()
+        try:
+            reply = await self.client.call(member.address, "dht.ping", self._meta(), timeout_s=timeout_s)
+        except RpcError:
+            return False
+        self._absorb(reply.meta)
+        return True
+
+    async def ping_through(self, helper: Member, target: Member, timeout_s: float) -> bool:
+        self._m_sent.labels(kind="ping_req").inc()
+        meta = {**self._meta(), "target": target.to_wire()}
+        try:
+            reply = await self.client.call(helper.address, "dht.ping_req", meta, timeout_s=timeout_s)
+        except RpcError:
+            return False
+        self._absorb(reply.meta)
+        return bool(reply.meta.get("ok")) if isinstance(reply.meta, dict) else False
+
+    async def _on_join(self, request: Request) -> Payload:
+        joiner = parse_update(request.meta.get("member") if isinstance(request.meta, dict) else None)
+        if joiner is None or joiner.status != Status.ALIVE:
+            raise BadRequest("join needs {'member': [id, address, public key, incarnation, 0]}")
+        self.table.apply(joiner)
+        return Payload({"members": self.table.snapshot()})
+
+    async def _on_ping(self, request: Request) -> Payload:
+        self._absorb(request.meta)
+        return Payload({"updates": self.table.piggyback(self.config.piggyback_updates)})
+
+    async def _on_ping_req(self, request: Request) -> Payload:
+        self._absorb(request.meta)
+        target = parse_update(request.meta.get("target") if isinstance(request.meta, dict) else None)
+        if target is None:
+            raise BadRequest("ping_req needs a 'target' member")
+        ok = await self.ping(target, max(0.0, min(request.remaining_s * 0.9, self.config.probe_timeout_s)))
+        return Payload({"ok": ok, "updates": self.table.piggyback(self.config.piggyback_updates)})
+
+    async def _on_sync(self, request: Request) -> Payload:
+        meta = request.meta if isinstance(request.meta, dict) else {}
+        self.table.apply_all(meta.get("members"))
+        digest = self.table.digest()
+        if meta.get("digest") == digest:
+            return Payload({"digest": digest})
+        return Payload({"digest": digest, "members": self.table.snapshot()})
+
+    async def sync(self) -> None:
+        """Push-pull with one random member; only digests travel when both agree."""
+        others = self.table.others()
+        if not others:
+            return
+        peer = self._rng.choice(others)
+        self._m_sent.labels(kind="sync").inc()
+        try:
+            reply = await self.client.call(
+                peer.address, "dht.sync", {"digest": self.table.digest()}, timeout_s=self.config.op_timeout_s
+            )
+            meta = reply.meta if isinstance(reply.meta, dict) else {}
+            if "members" in meta:
+                self.table.apply_all(meta["members"])
+                if meta.get("digest") != self.table.digest():
+                    await self.client.call(
+                        peer.address,
+                        "dht.sync",
+                        {"members": self.table.snapshot()},
+                        timeout_s=self.config.op_timeout_s,
+                    )
+        except RpcError:
+            pass
+
+    async def _on_members(self, request: Request) -> Payload:
+        return Payload({"members": [m.to_wire() for m in self.table.live()], "digest": self.table.digest()})

@@ -1,0 +1,554 @@
+"""A DHT node: SWIM membership plus one-hop replicated storage, served over Agora's RPC.
+
+Every node knows every member, so the R replicas of a key are computed locally and a store
+or get goes straight to them, in parallel: one hop, whatever the swarm size. Replicas answer
+with what they hold; the reader merges newest-wins and repairs replicas that were behind.
+When membership changes, each node hands the records it holds to their new replicas, so a
+record survives churn while one of its replicas lives. The node runs inside the caller's
+event loop (see ``BlockingDht`` for threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agora_core.config.run import DhtConfig
+from agora_core.dht.gossip import Gossip
+from agora_core.dht.ids import closest, key_id
+from agora_core.dht.membership import Member, MemberTable, Status
+from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
+from agora_core.dht.storage import RecordStore, StoreLimits, Validators, newer
+from agora_core.errors import BadRequest, RpcError
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
+
+log = get_logger("dht")
+
+MAX_KEYS_PER_CALL = 1024
+OP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DhtValue:
+    """What a get returns for one subkey."""
+
+    value: Any
+    expiration: float  # wall-clock seconds
+    owner: bytes | None  # public key of an owned subkey's writer
+
+
+class DhtNode:
+    def __init__(
+        self,
+        *,
+        key: NodeKey,
+        config: DhtConfig | None = None,
+        listen: str = "127.0.0.1:0",
+        bootstrap: Sequence[str] = (),
+        advertise: str | None = None,
+        rpc_config: RpcConfig | None = None,
+        link: LinkEmulator | None = None,
+        metrics: NodeMetrics | None = None,
+        validators: Validators | None = None,
+        server: RpcServer | None = None,
+        client: RpcClient | None = None,
+        seed: int | None = None,
+    ):
+        self.key = key
+        self.node_id = key.node_id
+        self.config = config or DhtConfig()
+        self._bootstrap = list(bootstrap)
+        self._advertise = advertise
+        self._rng = random.Random(seed)
+        self.metrics = metrics or NodeMetrics(role="dht", instance=self.node_id[:12])
+        self._owns_rpc = server is None
+        self.server = server or RpcServer(
+            listen=listen, config=rpc_config, link=link, metrics=self.metrics, node_id=self.node_id
+        )
+        self.client = client or RpcClient(
+            config=rpc_config, link=link, metrics=self.metrics, node_id=self.node_id
+        )
+        limits = StoreLimits(
+            max_value_bytes=self.config.max_value_bytes,
+            max_subkeys=self.config.max_subkeys,
+            max_expiration_ahead_s=self.config.max_expiration_ahead_s,
+            max_clock_skew_s=self.config.max_clock_skew_s,
+        )
+        self.records = RecordStore(limits, validators)
+        self.gossip: Gossip | None = None
+        self.table: MemberTable | None = None
+        self._replica_memo: dict[str, frozenset[str]] = {}  # key -> replicas it was last handed to
+        self._alive_cache: list[tuple[int, Member]] | None = None
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self.address: str | None = None
+        self.recent_ops: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
+        self.ops_done = 0
+        self._declare_metrics()
+        for method, handler in (
+            ("dht.store", self._on_store),
+            ("dht.get", self._on_get),
+            ("dht.digest", self._on_digest),
+        ):
+            self.server.register(method, handler)
+
+    def _declare_metrics(self) -> None:
+        m = self.metrics
+        self._m_members = m.gauge("agora_dht_members", "Members in this node's view.", ["status"])
+        self._m_records = m.gauge("agora_dht_records", "Records this node holds as a replica.")
+        self._m_ops = m.counter(
+            "agora_dht_ops_total", "DHT operations, by kind and outcome.", ["op", "outcome"]
+        )
+        self._m_op_seconds = m.histogram(
+            "agora_dht_op_seconds", "DHT operation latency.", ["op"], buckets=OP_BUCKETS
+        )
+        self._m_suspicions = m.gauge("agora_dht_suspicions", "Members this node saw become suspect.")
+        self._m_refutations = m.gauge("agora_dht_refutations", "Suspicions of this node it refuted.")
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Serve, join through the bootstrap addresses, and start gossiping. Returns the address."""
+        if self._owns_rpc:
+            await self.server.start()
+        self.address = self._advertise or self.server.address
+        # Incarnations start at wall-clock milliseconds: a restarted node outranks its past.
+        me = Member(
+            self.node_id, self.address, self.key.public_key, time.time_ns() // 1_000_000, Status.ALIVE
+        )
+        self.gossip = Gossip(
+            me,
+            config=self.config,
+            server=self.server,
+            client=self.client,
+            metrics=self.metrics,
+            rng=self._rng,
+            on_change=self._membership_changed,
+        )
+        self.table = self.gossip.table
+        await self.gossip.join(self._bootstrap)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self.gossip.detector.run(), name=f"dht-detector {self.node_id[:8]}"),
+            loop.create_task(self._maintain(), name=f"dht-maintenance {self.node_id[:8]}"),
+        ]
+        log.info("dht_started", node=self.node_id[:12], address=self.address, members=len(self.table.live()))
+        return self.address
+
+    async def stop(self, *, leave: bool = True) -> None:
+        """Stop. With ``leave``, tell a few members first so nobody has to suspect us."""
+        if self.gossip is not None and leave and not self.table.leaving:
+            await self.gossip.leave()
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._tasks = []
+        if self._owns_rpc:
+            await self.client.close()
+            await self.server.stop()
+
+    async def __aenter__(self) -> DhtNode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- membership --------------------------------------------------------------------------
+
+    def members(self) -> list[Member]:
+        """Live members (alive or suspect), this node included, ordered by id."""
+        return self.table.live() if self.table else []
+
+    def _membership_changed(self) -> None:
+        self._alive_cache = None
+        self._changed.set()
+
+    # --- replica sets ---------------------------------------------------------------------------
+
+    def replicas(self, key: str) -> list[Member]:
+        """The members that hold ``key``: the R alive members closest to its id."""
+        if self._alive_cache is None:
+            self._alive_cache = [(m.position, m) for m in self.table.alive()]
+        return closest(key_id(key), self._alive_cache, self.config.replication)
+
+    def _group_by_replica(self, keys: Iterable[str]) -> dict[str, tuple[Member, list[str]]]:
+        groups: dict[str, tuple[Member, list[str]]] = {}
+        for key in keys:
+            for member in self.replicas(key):
+                groups.setdefault(member.node_id, (member, []))[1].append(key)
+        return groups
+
+    # --- storage: handlers -----------------------------------------------------------------------
+
+    def _accept_items(self, items: Any, sender_now: Any) -> tuple[list[bool], list[str | None]]:
+        if not isinstance(items, list) or len(items) > MAX_KEYS_PER_CALL:
+            raise BadRequest(f"items must be a list of at most {MAX_KEYS_PER_CALL} [key, subkey, record]")
+        now = time.time()
+        stored: list[bool] = []
+        errors: list[str | None] = []
+        for item in items:
+            try:
+                if not isinstance(item, list) or len(item) != 3:
+                    raise RecordRejected("an item is [key, subkey, record]")
+                key, subkey, raw = item
+                record = Record.from_wire(raw)
+                self.records.validate(key, subkey, record, now=now, sender_now=sender_now)
+                stored.append(self.records.put(key, subkey, record, now=now))
+                errors.append(None)
+                self._replica_memo.setdefault(key, frozenset(m.node_id for m in self.replicas(key)))
+            except RecordRejected as exc:
+                stored.append(False)
+                errors.append(str(exc))
+        self._m_records.set(len(self.records))
+        return stored, errors
+
+    async def _on_store(self, request: Request) -> Payload:
+        meta = request.meta if isinstance(request.meta, dict) else {}
+        stored, errors = self._accept_items(meta.get("items"), meta.get("now"))
+        return Payload({"stored": stored, "errors": errors})
+
+    async def _on_get(self, request: Request) -> Payload:
+        keys = request.meta.get("keys") if isinstance(request.meta, dict) else None
+        if (
+            not isinstance(keys, list)
+            or len(keys) > MAX_KEYS_PER_CALL
+            or not all(isinstance(k, str) for k in keys)
+        ):
+            raise BadRequest(f"keys must be a list of at most {MAX_KEYS_PER_CALL} strings")
+        now = time.time()
+        found = {}
+        for key in keys:
+            records = self.records.get(key, now=now)
+            if records:
+                found[key] = {subkey: record.to_wire() for subkey, record in records.items()}
+        return Payload({"records": found})
+
+    async def _on_digest(self, request: Request) -> Payload:
+        """Anti-entropy: given (key -> subkey -> expiration), name what this replica lacks."""
+        digest = request.meta.get("digest") if isinstance(request.meta, dict) else None
+        if not isinstance(digest, dict) or len(digest) > MAX_KEYS_PER_CALL:
+            raise BadRequest("digest must map at most 1024 keys to {subkey: expiration}")
+        now = time.time()
+        wanted = []
+        for key, subkeys in digest.items():
+            if not isinstance(key, str) or not isinstance(subkeys, dict):
+                continue
+            held = self.records.get(key, now=now)
+            for subkey, expiration in subkeys.items():
+                record = held.get(subkey)
+                if record is None or (
+                    isinstance(expiration, (int, float)) and record.expiration < expiration
+                ):
+                    wanted.append([key, subkey])
+        return Payload({"wanted": wanted})
+
+    # --- storage: talking to replicas --------------------------------------------------------------
+
+    async def _store_at(
+        self, member: Member, items: list[tuple[str, str, Record]]
+    ) -> tuple[list[bool], list]:
+        if member.node_id == self.node_id:
+            return self._accept_items([[k, s, r.to_wire()] for k, s, r in items], None)
+        reply = await self.client.call(
+            member.address,
+            "dht.store",
+            {"items": [[k, s, r.to_wire()] for k, s, r in items], "now": time.time()},
+            timeout_s=self.config.op_timeout_s,
+        )
+        meta = reply.meta if isinstance(reply.meta, dict) else {}
+        return list(meta.get("stored") or []), list(meta.get("errors") or [])
+
+    async def _get_at(self, member: Member, keys: list[str]) -> dict[str, dict[str, Record]]:
+        if member.node_id == self.node_id:
+            now = time.time()
+            return {key: self.records.get(key, now=now) for key in keys}
+        reply = await self.client.call(
+            member.address, "dht.get", {"keys": keys}, timeout_s=self.config.op_timeout_s
+        )
+        raw = reply.meta.get("records", {}) if isinstance(reply.meta, dict) else {}
+        result: dict[str, dict[str, Record]] = {}
+        for key in keys:
+            subkeys = raw.get(key) or {}
+            parsed = {}
+            for subkey, wire in subkeys.items() if isinstance(subkeys, dict) else ():
+                with contextlib.suppress(RecordRejected):
+                    parsed[subkey] = Record.from_wire(wire)  # checked once merged: trust no replica
+            result[key] = parsed
+        return result
+
+    def _observe(self, op: str, outcome: str, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self._m_ops.labels(op=op, outcome=outcome).inc()
+        self._m_op_seconds.labels(op=op).observe(seconds)
+        self.recent_ops.append((op, seconds))
+        self.ops_done += 1
+
+    def traffic(self) -> tuple[int, int]:
+        """(messages, bytes) this node has sent and received, all DHT traffic together."""
+        server, client = self.server.traffic, self.client.traffic
+        messages = (
+            server.messages_sent + server.messages_received + client.messages_sent + client.messages_received
+        )
+        nbytes = server.bytes_sent + server.bytes_received + client.bytes_sent + client.bytes_received
+        return messages, nbytes
+
+    # --- storage: the API -----------------------------------------------------------------------
+
+    async def store(
+        self, key: str, subkey: str, value: Any, expiration: float, *, signer: NodeKey | None = None
+    ) -> int:
+        """Store ``value`` under ``key``/``subkey`` until ``expiration`` (wall-clock seconds).
+
+        Owned subkeys (``owned_subkey(public_key)``) must be signed by their owner: pass its
+        key as ``signer``. Returns how many replicas accepted the record; raises
+        RecordRejected when replicas refused it, DhtError when none could be reached.
+        """
+        return await self._put(
+            key, subkey, make_record(key, subkey, value, expiration, signer=signer), "store"
+        )
+
+    async def delete(self, key: str, subkey: str, *, signer: NodeKey | None = None) -> int:
+        """Hide ``key``/``subkey`` everywhere: a tombstone outranks and outlives every copy."""
+        current = (await self._get_records(key)).get(subkey)
+        expiration = max(current.expiration if current else 0.0, time.time()) + 1.0
+        record = make_record(key, subkey, None, expiration, signer=signer, tombstone=True)
+        return await self._put(key, subkey, record, "delete")
+
+    async def _put(self, key: str, subkey: str, record: Record, op: str) -> int:
+        started = time.perf_counter()
+        self.records.validate(key, subkey, record, now=time.time())  # the replicas' rules, locally first
+        replicas = self.replicas(key)
+        results = await asyncio.gather(
+            *(self._store_at(m, [(key, subkey, record)]) for m in replicas), return_exceptions=True
+        )
+        accepted = 0
+        for result in results:
+            if isinstance(result, BaseException):
+                continue
+            _stored, errors = result
+            if errors and errors[0]:
+                self._observe(op, "rejected", started)
+                raise RecordRejected(errors[0])
+            accepted += 1
+        if not accepted:
+            self._observe(op, "unreachable", started)
+            raise DhtError(f"no replica of {key!r} could be reached: {[str(r) for r in results]}")
+        self._observe(op, "ok", started)
+        return accepted
+
+    async def _get_records(self, key: str) -> dict[str, Record]:
+        return (await self._get_many_records([key]))[key]
+
+    async def _get_many_records(self, keys: Sequence[str]) -> dict[str, dict[str, Record]]:
+        groups = self._group_by_replica(keys)
+        members = [member for member, _keys in groups.values()]
+        answers = await asyncio.gather(
+            *(self._get_at(m, ks) for m, ks in groups.values()), return_exceptions=True
+        )
+        candidates: dict[str, dict[str, set[Record]]] = {key: {} for key in keys}
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                for key, records in answer.items():
+                    for subkey, record in records.items():
+                        candidates[key].setdefault(subkey, set()).add(record)
+        merged: dict[str, dict[str, Record]] = {key: {} for key in keys}
+        now = time.time()
+        for key, subkeys in candidates.items():
+            for subkey, records in subkeys.items():
+                # Newest first; a replica's copy counts only if it passes the rules a replica
+                # applies on store (an owned subkey's signature above all).
+                for record in sorted(records, key=lambda r: (r.expiration, r.value or b""), reverse=True):
+                    try:
+                        self.records.validate(key, subkey, record, now=now)
+                    except RecordRejected:
+                        continue
+                    merged[key][subkey] = record
+                    break
+        self._repair(merged, members, answers)
+        return merged
+
+    def _repair(self, merged, members: list[Member], answers: list) -> None:
+        """Read repair: push the winning records to replicas that answered without them."""
+        for member, answer in zip(members, answers, strict=True):
+            if isinstance(answer, BaseException):
+                continue
+            stale = [
+                (key, subkey, record)
+                for key, records in answer.items()
+                for subkey, record in merged[key].items()
+                if subkey not in records or newer(record, records[subkey])
+            ]
+            if stale and member.node_id != self.node_id:
+                self._spawn(self._quiet(self._store_at(member, stale)))
+            elif stale:
+                self._accept_items([[k, s, r.to_wire()] for k, s, r in stale], None)
+
+    @staticmethod
+    async def _quiet(coro) -> None:
+        with contextlib.suppress(RpcError, DhtError):
+            await coro
+
+    @staticmethod
+    def _visible(records: dict[str, Record]) -> dict[str, DhtValue]:
+        return {
+            subkey: DhtValue(record.decoded(), record.expiration, subkey_owner(subkey))
+            for subkey, record in records.items()
+            if not record.is_tombstone
+        }
+
+    async def get(self, key: str) -> dict[str, DhtValue]:
+        """All unexpired subkeys of ``key`` (empty if none), newest copy of each."""
+        started = time.perf_counter()
+        records = await self._get_records(key)
+        self._observe("get", "ok", started)
+        return self._visible(records)
+
+    async def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, DhtValue]]:
+        """``get`` for many keys at once: one request per replica, all in parallel."""
+        started = time.perf_counter()
+        records = await self._get_many_records(list(dict.fromkeys(keys)))
+        self._observe("get_many", "ok", started)
+        return {key: self._visible(subkeys) for key, subkeys in records.items()}
+
+    async def watch(self, key: str, *, interval_s: float = 1.0) -> AsyncIterator[dict[str, DhtValue]]:
+        """Yield ``key``'s subkeys now and whenever they change, polling every ``interval_s``.
+
+        Iterate under a deadline of your own (``asyncio.timeout``) or break out when done.
+        """
+        last = None
+        while True:
+            current = await self.get(key)
+            seen = {subkey: (v.expiration, repr(v.value)) for subkey, v in current.items()}
+            if seen != last:
+                last = seen
+                yield current
+            await asyncio.sleep(interval_s)
+
+    # --- maintenance ------------------------------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        """Each period: purge, hand records to new replicas after membership changes, and
+        every ``sync_periods`` periods run membership and record anti-entropy."""
+        period = self.config.gossip_period_s
+        tick = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), period)
+            changed = self._changed.is_set()
+            self._changed.clear()
+            tick += 1
+            try:
+                self.records.purge(time.time())
+                if changed:
+                    await self._handoff()
+                if tick % self.config.sync_periods == 0:
+                    await self.gossip.sync()
+                    await self._anti_entropy()
+                self._update_gauges()
+            except Exception:  # maintenance must outlive any one bad round
+                log.exception("dht_maintenance_failed", node=self.node_id[:12])
+            if changed:  # at most one handoff per period, however fast the news comes
+                await asyncio.sleep(period)
+
+    def _update_gauges(self) -> None:
+        live = self.table.live()
+        suspect = sum(1 for m in live if m.status == Status.SUSPECT)
+        self._m_members.labels(status="alive").set(len(live) - suspect)
+        self._m_members.labels(status="suspect").set(suspect)
+        self._m_records.set(len(self.records))
+        self._m_suspicions.set(self.table.suspicions)
+        self._m_refutations.set(self.table.refutations)
+
+    async def _handoff(self) -> None:
+        """Push each key's records to replicas that joined its replica set since we last did."""
+        now = time.time()
+        outgoing: dict[str, tuple[Member, list]] = {}
+        leaving: list[str] = []
+        for key in self.records.keys():
+            replicas = self.replicas(key)
+            ids = frozenset(m.node_id for m in replicas)
+            before = self._replica_memo.get(key, frozenset())
+            if ids == before:
+                continue
+            records = self.records.get(key, now=now)
+            for member in replicas:
+                if member.node_id != self.node_id and member.node_id not in before:
+                    batch = outgoing.setdefault(member.node_id, (member, []))[1]
+                    batch.extend((key, subkey, record) for subkey, record in records.items())
+            if self.node_id not in ids:
+                leaving.append(key)
+            self._replica_memo[key] = ids
+        failed = await self._push(outgoing)
+        unsent = {key for member_id in failed for key, _subkey, _record in outgoing[member_id][1]}
+        for key in unsent:
+            self._replica_memo.pop(key, None)  # hand it over again next period
+        if unsent:
+            self._changed.set()
+        for key in leaving:  # no longer ours: drop once every new replica has it
+            if key not in unsent:
+                self.records.drop(key)
+                self._replica_memo.pop(key, None)
+
+    async def _push(self, outgoing: dict[str, tuple[Member, list]]) -> set[str]:
+        """Send batches of records to members; returns the ids of members that failed."""
+        failed: set[str] = set()
+
+        async def push(member: Member, items: list) -> None:
+            for start in range(0, len(items), MAX_KEYS_PER_CALL):
+                try:
+                    await self._store_at(member, items[start : start + MAX_KEYS_PER_CALL])
+                except (RpcError, DhtError):
+                    failed.add(member.node_id)
+                    return
+
+        await asyncio.gather(*(push(member, items) for member, items in outgoing.values()))
+        return failed
+
+    async def _anti_entropy(self) -> None:
+        """Compare (subkey, expiration) digests with the other replicas; send what they lack."""
+        now = time.time()
+        digests: dict[str, tuple[Member, dict]] = {}
+        for key in self.records.keys():
+            records = self.records.get(key, now=now)
+            for member in self.replicas(key):
+                if member.node_id != self.node_id and records:
+                    digests.setdefault(member.node_id, (member, {}))[1][key] = {
+                        subkey: record.expiration for subkey, record in records.items()
+                    }
+        outgoing: dict[str, tuple[Member, list]] = {}
+        for member, digest in digests.values():
+            keys = list(digest)
+            for start in range(0, len(keys), MAX_KEYS_PER_CALL):
+                part = {k: digest[k] for k in keys[start : start + MAX_KEYS_PER_CALL]}
+                try:
+                    reply = await self.client.call(
+                        member.address, "dht.digest", {"digest": part}, timeout_s=self.config.op_timeout_s
+                    )
+                except RpcError:
+                    break
+                wanted = reply.meta.get("wanted", []) if isinstance(reply.meta, dict) else []
+                for item in wanted:
+                    if isinstance(item, list) and len(item) == 2:
+                        record = self.records.get(str(item[0]), now=now).get(str(item[1]))
+                        if record is not None:
+                            outgoing.setdefault(member.node_id, (member, []))[1].append(
+                                (item[0], item[1], record)
+                            )
+        await self._push(outgoing)

@@ -1,0 +1,343 @@
+"""The DHT as a swarm: 32 nodes in this process and 6 as their own OS processes, on 127.0.0.1.
+
+The tests run in order against one swarm, as a run's DHT lives through its life: it forms,
+serves reads and writes from anywhere, survives a node that stalls, loses a quarter of its
+nodes at once, takes in newcomers, and sees a crashed node come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import pytest
+import pytest_asyncio
+
+from agora_core.config import load_run_config
+from agora_core.dht import DhtNode, RecordRejected, Status, owned_subkey
+from agora_core.dht.records import make_record
+from agora_core.identity import NodeKey
+from agora_core.rpc import RpcClient
+from agora_core.testing import ChildProcess, spawn_python, wait_until_async
+
+IN_PROCESS = 32
+PROCESSES = 6
+PERIOD_S = 0.3
+FAST_DHT = f"""
+[dht]
+gossip_period_s = {PERIOD_S}
+probe_timeout_s = 0.15
+suspicion_timeout_s = 4.0
+op_timeout_s = 2.0
+sync_periods = 5
+tombstone_s = 30.0
+"""
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+
+@dataclass
+class Remote:
+    child: ChildProcess
+    node_id: str
+    address: str
+    key_file: str
+
+
+@dataclass
+class Swarm:
+    config_path: str
+    nodes: list[DhtNode]
+    remotes: list[Remote]
+    client: RpcClient
+    tmp: object
+    stack: contextlib.ExitStack
+    run: object = None
+    churn_keys: list[str] = field(default_factory=list)
+    created: list[DhtNode] = field(default_factory=list)  # every node ever started, for teardown
+
+    async def new_node(
+        self, bootstrap: list[str], key: NodeKey | None = None, listen="127.0.0.1:0"
+    ) -> DhtNode:
+        node = DhtNode(key=key or NodeKey.generate(), config=self.run.dht, bootstrap=bootstrap, listen=listen)
+        self.created.append(node)
+        await node.start()
+        return node
+
+    @property
+    def seed(self) -> DhtNode:
+        return self.nodes[0]
+
+    async def spawn_remote(self, key_file: str, bootstrap: str) -> Remote:
+        child = self.stack.enter_context(
+            spawn_python(
+                [
+                    "-m",
+                    "agora_core",
+                    "dht",
+                    "serve",
+                    "--bootstrap",
+                    bootstrap,
+                    "--config",
+                    self.config_path,
+                    "--key-file",
+                    key_file,
+                    "--status-interval",
+                    "60",
+                    "--log-format",
+                    "json",
+                ]
+            )
+        )
+        # Read in a thread: the in-process nodes must keep serving the newcomer's join.
+        node_id = await asyncio.to_thread(child.read_until, "agora dht node ")
+        address = await asyncio.to_thread(child.read_until, "  serving    ")
+        return Remote(child, node_id, address, key_file)
+
+    async def views(self) -> dict[str, set[str]]:
+        """Each live node's view: the ids it holds alive or suspect."""
+        views = {node.node_id: {m.node_id for m in node.members()} for node in self.nodes}
+        for remote in self.remotes:
+            reply = await self.client.call(remote.address, "dht.members", timeout_s=5)
+            views[remote.node_id] = {m[0] for m in reply.meta["members"]}
+        return views
+
+    def live_ids(self) -> set[str]:
+        return {n.node_id for n in self.nodes} | {r.node_id for r in self.remotes}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dht")
+    config_path = tmp / "fast.toml"
+    config_path.write_text(FAST_DHT)
+    run = load_run_config(config_path)
+    stack = contextlib.ExitStack()
+    client = RpcClient()
+    swarm = Swarm(str(config_path), [], [], client, tmp, stack, run)
+    try:
+        swarm.nodes.append(await swarm.new_node([]))
+        for _ in range(IN_PROCESS - 1):
+            swarm.nodes.append(await swarm.new_node([swarm.seed.address]))
+        swarm.remotes = list(
+            await asyncio.gather(
+                *(
+                    swarm.spawn_remote(str(tmp / f"remote{i}.key"), swarm.nodes[i % 4].address)
+                    for i in range(PROCESSES)
+                )
+            )
+        )
+        yield swarm
+    finally:
+        stops = asyncio.gather(*(node.stop(leave=False) for node in swarm.created), return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stops, 30)
+        await client.close()
+        stack.close()
+
+
+async def test_all_38_nodes_converge_to_one_membership_view(swarm):
+    expected = swarm.live_ids()
+    assert len(expected) == IN_PROCESS + PROCESSES
+
+    async def converged():
+        views = await swarm.views()
+        return all(view == expected for view in views.values())
+
+    await wait_for_async(converged, timeout_s=30, what="one membership view")
+
+
+async def wait_for_async(check, *, timeout_s: float, what: str):
+    """Await ``check()`` until it returns true, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(PERIOD_S / 3)
+
+
+async def test_a_value_stored_via_any_node_is_read_via_any_other(swarm):
+    rng = random.Random(1)
+    expiration = time.time() + 300
+    for i in range(20):
+        writer, reader = rng.sample(swarm.nodes, 2)
+        assert await writer.store(f"any/{i}", "v", {"i": i, "by": writer.node_id}, expiration) >= 1
+        got = await reader.get(f"any/{i}")
+        assert got["v"].value == {"i": i, "by": writer.node_id}
+    many = await swarm.nodes[5].get_many([f"any/{i}" for i in range(20)] + ["any/missing"])
+    assert [many[f"any/{i}"]["v"].value["i"] for i in range(20)] == list(range(20))
+    assert many["any/missing"] == {}
+
+
+async def test_owned_subkeys_are_protected_by_every_replica(swarm):
+    owner, mallory = NodeKey.generate(), NodeKey.generate()
+    key, subkey = "stage/0/workers", owned_subkey(owner.public_key)
+    await swarm.nodes[1].store(key, subkey, {"address": "w0"}, time.time() + 120, signer=owner)
+    good = make_record(key, subkey, {"address": "w0"}, time.time() + 120, signer=owner)
+    evil_value = msgpack.packb({"address": "evil"})
+    attacks = {
+        "unsigned": [key, subkey, [evil_value, good.expiration + 10, None]],
+        "forged": [key, subkey, [evil_value, good.expiration + 10, bytes(64)]],
+        "other owner": [
+            key,
+            subkey,
+            make_record(
+                key,
+                owned_subkey(mallory.public_key),
+                {"address": "evil"},
+                good.expiration + 10,
+                signer=mallory,
+            ).to_wire(),
+        ],
+        "tampered value": [key, subkey, [evil_value, good.expiration, good.signature]],
+        "tampered expiration": [key, subkey, [good.value, good.expiration + 10, good.signature]],
+    }
+    # Straight to every replica, bypassing the writer's own checks.
+    for replica in swarm.nodes[0].replicas(key):
+        reply = await swarm.client.call(
+            replica.address, "dht.store", {"items": list(attacks.values()), "now": time.time()}, timeout_s=5
+        )
+        assert reply.meta["stored"] == [False] * len(attacks)
+        assert all(reply.meta["errors"]), reply.meta["errors"]
+    older = make_record(key, subkey, {"address": "old"}, time.time() + 60, signer=owner)  # a replay
+    assert await swarm.nodes[2].store(key, subkey, {"address": "old"}, older.expiration, signer=owner) >= 1
+    value = (await swarm.nodes[7].get(key))[subkey]
+    assert value.value == {"address": "w0"} and value.owner == owner.public_key
+    with pytest.raises(RecordRejected):
+        await swarm.nodes[3].store(key, subkey, {"address": "evil"}, time.time() + 500, signer=mallory)
+
+
+async def test_records_expire_and_deletes_hide_them(swarm):
+    await swarm.nodes[4].store("short/lived", "s", 1, time.time() + 1.0)
+    assert (await swarm.nodes[9].get("short/lived"))["s"].value == 1
+    await wait_until_async_get(swarm.nodes[10], "short/lived", lambda v: v == {}, timeout_s=10)
+    await swarm.nodes[4].store("to/delete", "s", 1, time.time() + 120)
+    await swarm.nodes[6].delete("to/delete", "s")
+    assert await swarm.nodes[8].get("to/delete") == {}
+    with pytest.raises(RecordRejected, match="ahead"):
+        await swarm.nodes[4].store("far/future", "s", 1, time.time() + 10 * 86400)
+
+
+async def wait_until_async_get(node, key, predicate, *, timeout_s):
+    async def check():
+        return predicate(await node.get(key))
+
+    await wait_for_async(check, timeout_s=timeout_s, what=f"{key} to satisfy the condition")
+
+
+async def test_a_stalled_node_is_suspected_but_refutes_and_is_not_removed(swarm):
+    remote = swarm.remotes[0]
+    statuses: set[Status] = set()
+
+    async def watch():
+        while True:
+            for node in swarm.nodes:
+                member = node.table.get(remote.node_id)
+                statuses.add(member.status if member else Status.DEAD)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        os.kill(remote.child.pid, signal.SIGSTOP)  # a long GC pause, an overloaded host
+        try:
+            await wait_until_async(lambda: Status.SUSPECT in statuses, timeout_s=3, what="a suspicion")
+        finally:
+            os.kill(remote.child.pid, signal.SIGCONT)
+
+        async def alive_everywhere():
+            return all(node.table.get(remote.node_id).status == Status.ALIVE for node in swarm.nodes)
+
+        await wait_for_async(alive_everywhere, timeout_s=10, what="the refutation to spread")
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    assert Status.DEAD not in statuses and Status.LEFT not in statuses
+
+
+async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_surviving_replica(swarm):
+    expiration = time.time() + 600
+    keys = [f"churn/{i}" for i in range(120)]
+    await asyncio.gather(*(swarm.nodes[i % 8].store(key, "v", key, expiration) for i, key in enumerate(keys)))
+    replicas_before = {key: {m.node_id for m in swarm.seed.replicas(key)} for key in keys}
+
+    victims = swarm.nodes[-8:]  # 8 in-process + 2 processes = 10 of 38
+    dead_remotes = swarm.remotes[-2:]
+    for node in victims:
+        await node.stop(leave=False)  # abrupt: no goodbye
+    for remote in dead_remotes:
+        remote.child.kill()
+    swarm.nodes = swarm.nodes[:-8]
+    swarm.remotes = swarm.remotes[:-2]
+    dead = {n.node_id for n in victims} | {r.node_id for r in dead_remotes}
+    survivors = {key for key, ids in replicas_before.items() if ids - dead}
+    assert len(survivors) >= 0.8 * len(keys)  # R=3 of 38: few keys lose every replica
+
+    async def all_readable():
+        reader = swarm.nodes[3]
+        found = await reader.get_many(sorted(survivors))
+        return all(found[key].get("v") is not None for key in survivors)
+
+    await wait_for_async(all_readable, timeout_s=30, what="every surviving record to be readable")
+
+    expected = swarm.live_ids()
+
+    async def dead_removed_everywhere():
+        views = await swarm.views()
+        return all(view == expected for view in views.values())
+
+    await wait_for_async(dead_removed_everywhere, timeout_s=30, what="the dead to leave every view")
+
+    async def replicated_again():  # anti-entropy restored R copies on the new replica sets
+        for key in sorted(survivors)[:30]:
+            for member in swarm.seed.replicas(key):
+                node = next((n for n in swarm.nodes if n.node_id == member.node_id), None)
+                if node is not None and not node.records.get(key, now=time.time()):
+                    return False
+        return True
+
+    await wait_for_async(replicated_again, timeout_s=30, what="records on their new replicas")
+    swarm.churn_keys = sorted(survivors)
+
+
+async def test_new_nodes_take_over_their_share(swarm):
+    newcomers = [await swarm.new_node([swarm.nodes[1].address]) for _ in range(4)]
+    swarm.nodes.extend(newcomers)
+    keys = swarm.churn_keys
+
+    def share(node: DhtNode) -> list[str]:  # the keys a node is now a replica of
+        return [k for k in keys if node.node_id in {m.node_id for m in swarm.seed.replicas(k)}]
+
+    async def held():
+        if any(len(n.members()) != len(swarm.live_ids()) for n in swarm.nodes):
+            return False  # the swarm does not agree on who is in it yet
+        return all(n.records.get(k, now=time.time()) for n in newcomers for k in share(n))
+
+    await wait_for_async(held, timeout_s=30, what="newcomers to hold their keys")
+    assert sum(len(share(n)) for n in newcomers) > 0  # they did take over something
+
+
+async def test_a_restarted_node_rejoins(swarm):
+    victim = swarm.nodes[10]
+    key, address = victim.key, victim.address.removeprefix("tcp://")
+    old_incarnation = victim.table.me.incarnation
+    await victim.stop(leave=False)
+    swarm.nodes.remove(victim)
+
+    async def gone():
+        return all(key.node_id not in view for view in (await swarm.views()).values())
+
+    await wait_for_async(gone, timeout_s=30, what="the crash to be noticed")
+    reborn = await swarm.new_node([swarm.nodes[0].address], key=key, listen=address)
+    swarm.nodes.append(reborn)
+    assert reborn.table.me.incarnation > old_incarnation
+    expected = swarm.live_ids()
+
+    async def back():
+        return all(view == expected for view in (await swarm.views()).values())
+
+    await wait_for_async(back, timeout_s=30, what="the restarted node in every view")

@@ -1,0 +1,190 @@
+"""DHT rules without a network: record ownership, newest-wins, limits, SWIM precedence."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from agora_core.dht.ids import closest, key_id
+from agora_core.dht.membership import Member, MemberTable, Status, parse_update
+from agora_core.dht.records import Record, RecordRejected, make_record, owned_subkey, subkey_owner
+from agora_core.dht.storage import RecordStore, StoreLimits, Validators
+from agora_core.identity import NodeKey
+
+NOW = time.time()
+KEY = "stage/1/workers"
+
+
+@pytest.fixture
+def owner():
+    return NodeKey.from_seed(bytes(range(32)))
+
+
+@pytest.fixture
+def store():
+    return RecordStore(
+        StoreLimits(max_value_bytes=64, max_subkeys=3, max_expiration_ahead_s=600, max_clock_skew_s=5)
+    )
+
+
+def accept(store, key, subkey, record, sender_now=None):
+    store.validate(key, subkey, record, now=NOW, sender_now=sender_now)
+    return store.put(key, subkey, record, now=NOW)
+
+
+def test_owned_subkey_names_its_owner(owner):
+    subkey = owned_subkey(owner.public_key, "gpu0")
+    assert subkey_owner(subkey) == owner.public_key
+    assert subkey_owner("open") is None
+    with pytest.raises(RecordRejected):
+        subkey_owner("@not-hex")
+
+
+def test_owner_signed_record_is_accepted(store, owner):
+    subkey = owned_subkey(owner.public_key)
+    assert accept(store, KEY, subkey, make_record(KEY, subkey, {"a": 1}, NOW + 60, signer=owner))
+    assert store.get(KEY, now=NOW)[subkey].decoded() == {"a": 1}
+
+
+def test_unsigned_forged_and_foreign_writes_to_owned_subkeys_are_rejected(store, owner):
+    subkey = owned_subkey(owner.public_key)
+    mallory = NodeKey.generate()
+    genuine = make_record(KEY, subkey, {"a": 1}, NOW + 60, signer=owner)
+    forged_signature = dataclasses.replace(genuine, signature=bytes(64))
+    signed_by_other = dataclasses.replace(
+        genuine,
+        signature=make_record(
+            KEY, owned_subkey(mallory.public_key), {"a": 1}, NOW + 60, signer=mallory
+        ).signature,
+    )
+    unsigned = dataclasses.replace(genuine, signature=None)
+    tampered_value = dataclasses.replace(genuine, value=make_record(KEY, "x", {"a": 2}, NOW + 60).value)
+    tampered_expiration = dataclasses.replace(genuine, expiration=NOW + 500)
+    other_key = ("stage/2/workers", subkey, genuine)  # a signature does not travel to another key
+    for bad in (forged_signature, signed_by_other, unsigned, tampered_value, tampered_expiration):
+        with pytest.raises(RecordRejected):
+            accept(store, KEY, subkey, bad)
+    with pytest.raises(RecordRejected):
+        accept(store, *other_key)
+    with pytest.raises(RecordRejected, match="owned"):
+        make_record(KEY, subkey, 1, NOW + 60, signer=mallory)
+    assert store.get(KEY, now=NOW) == {}
+
+
+def test_newest_expiration_wins_and_replays_of_older_records_lose(store, owner):
+    subkey = owned_subkey(owner.public_key)
+    old = make_record(KEY, subkey, "v1", NOW + 60, signer=owner)
+    new = make_record(KEY, subkey, "v2", NOW + 120, signer=owner)
+    assert accept(store, KEY, subkey, old)
+    assert accept(store, KEY, subkey, new)
+    assert not accept(store, KEY, subkey, old)  # a replay, validly signed but older
+    assert store.get(KEY, now=NOW)[subkey].decoded() == "v2"
+
+
+def test_ties_resolve_the_same_way_on_every_replica(store):
+    a, b = make_record(KEY, "s", "a", NOW + 60), make_record(KEY, "s", "b", NOW + 60)
+    other = RecordStore()
+    accept(store, KEY, "s", a), accept(store, KEY, "s", b)
+    accept(other, KEY, "s", b), accept(other, KEY, "s", a)
+    assert store.get(KEY, now=NOW)["s"] == other.get(KEY, now=NOW)["s"]
+
+
+def test_expired_records_are_invisible_then_purged(store):
+    accept(store, KEY, "s", make_record(KEY, "s", 1, NOW + 10))
+    assert store.get(KEY, now=NOW + 11) == {}
+    assert not store.put(KEY, "t", make_record(KEY, "t", 1, NOW - 1), now=NOW)
+    assert store.purge(NOW + 11) == 1 and len(store) == 0
+
+
+def test_limits_and_clock_bounds_are_enforced_on_receive(store):
+    with pytest.raises(RecordRejected, match="ahead"):
+        accept(store, KEY, "s", make_record(KEY, "s", 1, NOW + 3600))
+    with pytest.raises(RecordRejected, match="clock"):
+        accept(store, KEY, "s", make_record(KEY, "s", 1, NOW + 60), sender_now=NOW - 30)
+    with pytest.raises(RecordRejected, match="bytes"):
+        accept(store, KEY, "s", make_record(KEY, "s", "x" * 100, NOW + 60))
+    for i in range(3):
+        accept(store, KEY, f"s{i}", make_record(KEY, f"s{i}", i, NOW + 60))
+    with pytest.raises(RecordRejected, match="subkeys"):
+        accept(store, KEY, "s3", make_record(KEY, "s3", 3, NOW + 60))
+    assert accept(store, KEY, "s0", make_record(KEY, "s0", 9, NOW + 70))  # updates still fit
+    with pytest.raises(RecordRejected):
+        Record.from_wire([b"x", "soon", None])
+
+
+def test_validators_apply_by_key_prefix():
+    def worker_schema(key, subkey, value):
+        if not isinstance(value, dict) or "address" not in value:
+            raise RecordRejected("a worker announcement needs an address")
+
+    validators = Validators()
+    validators.register("stage/", worker_schema)
+    store = RecordStore(validators=validators)
+    with pytest.raises(RecordRejected, match="address"):
+        accept(store, KEY, "s", make_record(KEY, "s", {"nope": 1}, NOW + 60))
+    assert accept(store, KEY, "s", make_record(KEY, "s", {"address": "x"}, NOW + 60))
+    assert accept(store, "trainer/1", "s", make_record("trainer/1", "s", {"nope": 1}, NOW + 60))
+
+
+def test_replica_sets_are_the_closest_ids():
+    ids = [(i * 1000, f"n{i}") for i in range(10)]
+    target = 4300
+    assert (
+        closest(target, ids, 3) == sorted((n for _p, n in ids), key=lambda n: int(n[1:]) * 1000 ^ target)[:3]
+    )
+    assert key_id("a") != key_id("b") and key_id("a") == key_id("a")
+
+
+# --- SWIM precedence ------------------------------------------------------------------------
+
+
+def member(node: NodeKey, incarnation: int, status: Status, address: str = "tcp://127.0.0.1:1") -> Member:
+    return Member(node.node_id, address, node.public_key, incarnation, status)
+
+
+@pytest.fixture
+def table():
+    me = NodeKey.generate()
+    return MemberTable(member(me, 10, Status.ALIVE), suspicion_timeout_s=5, tombstone_s=30)
+
+
+def test_swim_precedence(table):
+    other = NodeKey.generate()
+    assert table.apply(member(other, 5, Status.ALIVE), now=0)
+    assert not table.apply(member(other, 4, Status.SUSPECT), now=0)  # older news
+    assert table.apply(member(other, 5, Status.SUSPECT), now=0)  # suspect(i) beats alive(i)
+    assert not table.apply(member(other, 5, Status.ALIVE), now=0)  # alive(i) does not refute it
+    assert table.apply(member(other, 6, Status.ALIVE), now=0)  # the member's own refutation
+    assert table.apply(member(other, 6, Status.DEAD), now=0)
+    assert not table.apply(member(other, 6, Status.ALIVE), now=0)  # stale gossip cannot revive
+    assert [m.node_id for m in table.live()] == [table.me.node_id]
+    assert table.apply(member(other, 7, Status.ALIVE, "tcp://127.0.0.1:2"), now=0)  # a restart
+    assert table.get(other.node_id).address == "tcp://127.0.0.1:2"
+
+
+def test_suspected_node_refutes_with_a_higher_incarnation(table):
+    me = table.me
+    table.apply(Member(me.node_id, me.address, me.public_key, me.incarnation, Status.SUSPECT))
+    assert me.incarnation == 11 and table.refutations == 1
+    gossip = {update[0]: update for update in table.piggyback(16)}
+    assert gossip[me.node_id][3:] == [11, Status.ALIVE]  # the refutation goes out
+
+
+def test_suspicion_times_out_into_death_and_tombstones_expire(table):
+    other = NodeKey.generate()
+    table.apply(member(other, 1, Status.ALIVE), now=0)
+    table.suspect(other.node_id, now=0)
+    table.expire(now=4)
+    assert table.get(other.node_id).status == Status.SUSPECT
+    table.expire(now=5)
+    assert table.get(other.node_id).status == Status.DEAD
+    table.expire(now=40)
+    assert table.get(other.node_id) is None
+
+
+def test_malformed_updates_are_ignored(table):
+    assert parse_update(["x", "a", b"k", 1, 0]) is None
+    assert parse_update("garbage") is None
+    assert table.apply_all([["x"], 5, None, "y"]) == 0

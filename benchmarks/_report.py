@@ -35,7 +35,7 @@ class Report:
             if ratio is not None:
                 text += f" ({ratio:.3g} x)"
             if target is not None:
-                text += f"   target ratio {target}"
+                text += f"   [target: {target}]"
             print(text, flush=True)
         return figure
 

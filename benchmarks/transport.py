@@ -202,7 +202,7 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 gbps(t_agora),
                 gbps(t_raw),
                 "GB/s",
-                target=">= 0.8 (vs raw PUSH/PULL)",
+                target="ratio >= 0.8 vs raw PUSH/PULL",
             )
             report.add("raw_push_pull_throughput", gbps(t_raw), "GB/s")
 
@@ -219,7 +219,7 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                     percentile(ours, q) * 1e6,
                     percentile(raw_async, q) * 1e6,
                     "us",
-                    target="<= 1.5 (vs raw asyncio REQ/REP)" if q == 50 else None,
+                    target="ratio <= 1.5 vs raw asyncio REQ/REP" if q == 50 else None,
                 )
             report.compare(
                 "small_request_rtt_p50_vs_blocking_rep",
@@ -234,7 +234,7 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 gbps(t_agora),
                 gbps(t_plain),
                 "GB/s",
-                target=">= 0.95 (vs compression off)",
+                target="ratio >= 0.95 vs compression off",
             )
             wire = lambda tensor, config: sum(  # noqa: E731
                 memoryview(f).nbytes
@@ -242,7 +242,11 @@ async def run(report: Report, rounds: int, calls: int) -> None:
             )
             on, off = wire(zeros, WireConfig()), wire(zeros, NO_LZ4.wire)
             report.compare(
-                "lz4_policy_zero_heavy_wire_bytes", on / MiB, off / MiB, "MiB", target="< 1 (bytes shrink)"
+                "lz4_policy_zero_heavy_wire_bytes",
+                on / MiB,
+                off / MiB,
+                "MiB",
+                target="ratio < 1: bytes shrink",
             )
             report.compare("lz4_policy_zero_heavy_throughput", gbps(t_zero), gbps(t_zero_plain), "GB/s")
         # Where links are slower than LZ4 (the internet, not loopback) the policy pays in time too.

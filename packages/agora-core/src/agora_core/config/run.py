@@ -169,12 +169,14 @@ class DhtConfig:
     sync_periods: int = 10  # every this many periods: membership and record anti-entropy
     tombstone_s: float = 60.0  # how long departed members are remembered (blocks stale gossip)
     piggyback_updates: int = 16  # membership updates carried per protocol message
+    gossip_fanout: int = 3  # members news is pushed to, four times a period, while there is news
 
     def __post_init__(self) -> None:
         require(self.replication >= 1, "replication", "must be >= 1")
         require(self.indirect_probes >= 0, "indirect_probes", "must be >= 0")
         require(self.sync_periods >= 1, "sync_periods", "must be >= 1")
         require(self.piggyback_updates >= 1, "piggyback_updates", "must be >= 1")
+        require(self.gossip_fanout >= 0, "gossip_fanout", "must be >= 0")
         for name in (
             "gossip_period_s",
             "probe_timeout_s",

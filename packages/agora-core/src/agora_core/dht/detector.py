@@ -1,7 +1,8 @@
 """SWIM failure detection: each period, probe one member directly, then through k others.
 
 Targets are taken round-robin from a shuffled list of the other members, so every member is
-probed within two passes of the list. A member that answers neither the direct ping nor any
+probed within two passes of the list. A member whose connection just dropped is probed at
+once, out of turn: a crashed process is suspected within a period instead of a pass. A member that answers neither the direct ping nor any
 of the ``indirect_probes`` helpers within the period becomes suspect; the member table turns
 a suspicion that nobody refutes into death after the suspicion timeout.
 """
@@ -39,6 +40,7 @@ class FailureDetector:
         self._ping_through = ping_through
         self._rng = rng or random.Random()
         self._order: list[str] = []
+        self._urgent: set[str] = set()  # members being probed out of turn
         self.probes = 0
         self.failed_probes = 0
 
@@ -55,8 +57,18 @@ class FailureDetector:
     async def probe_once(self) -> None:
         """One protocol period's probe; returns within the period."""
         target = self._next_target()
-        if target is None:
+        if target is not None:
+            await self._probe(target)
+
+    def probe_now(self, member: Member) -> None:
+        """Probe ``member`` at once, outside the cycle (say, its connection just dropped)."""
+        if member.node_id in self._urgent or member.status in GONE or member is self._table.me:
             return
+        self._urgent.add(member.node_id)
+        task = asyncio.get_running_loop().create_task(self._probe(member))
+        task.add_done_callback(lambda _task: self._urgent.discard(member.node_id))
+
+    async def _probe(self, target: Member) -> None:
         self.probes += 1
         deadline = time.monotonic() + self._period_s
         if await self._ping(target, self._probe_timeout_s):

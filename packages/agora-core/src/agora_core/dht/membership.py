@@ -222,6 +222,11 @@ class MemberTable:
 
     # --- dissemination --------------------------------------------------------------------------
 
+    @property
+    def pending_gossip(self) -> int:
+        """Updates not yet sent their full number of times."""
+        return len(self._gossip)
+
     def _queue(self, member: Member) -> None:
         self._gossip[member.node_id] = (member.to_wire(), 0)
 

@@ -137,10 +137,12 @@ class DhtNode:
             on_change=self._membership_changed,
         )
         self.table = self.gossip.table
+        self.client.on_connection_lost(self.gossip.connection_lost)
         await self.gossip.join(self._bootstrap)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self.gossip.detector.run(), name=f"dht-detector {self.node_id[:8]}"),
+            loop.create_task(self.gossip.spread(), name=f"dht-spread {self.node_id[:8]}"),
             loop.create_task(self._maintain(), name=f"dht-maintenance {self.node_id[:8]}"),
         ]
         log.info("dht_started", node=self.node_id[:12], address=self.address, members=len(self.table.live()))
@@ -533,7 +535,8 @@ class DhtNode:
                         subkey: record.expiration for subkey, record in records.items()
                     }
         outgoing: dict[str, tuple[Member, list]] = {}
-        for member, digest in digests.values():
+
+        async def compare(member: Member, digest: dict) -> None:
             keys = list(digest)
             for start in range(0, len(keys), MAX_KEYS_PER_CALL):
                 part = {k: digest[k] for k in keys[start : start + MAX_KEYS_PER_CALL]}
@@ -542,13 +545,14 @@ class DhtNode:
                         member.address, "dht.digest", {"digest": part}, timeout_s=self.config.op_timeout_s
                     )
                 except RpcError:
-                    break
+                    return
                 wanted = reply.meta.get("wanted", []) if isinstance(reply.meta, dict) else []
                 for item in wanted:
                     if isinstance(item, list) and len(item) == 2:
                         record = self.records.get(str(item[0]), now=now).get(str(item[1]))
                         if record is not None:
-                            outgoing.setdefault(member.node_id, (member, []))[1].append(
-                                (item[0], item[1], record)
-                            )
+                            batch = outgoing.setdefault(member.node_id, (member, []))[1]
+                            batch.append((item[0], item[1], record))
+
+        await asyncio.gather(*(compare(member, digest) for member, digest in digests.values()))
         await self._push(outgoing)

@@ -16,7 +16,7 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -115,6 +115,12 @@ class RpcClient:
         )
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
         self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
+        self._lost_listeners: list[Callable[[str], None]] = []
+
+    def on_connection_lost(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(address)`` whenever an established connection drops (the peer
+        closed it or died); failure detectors use it as a hint to look at that peer now."""
+        self._lost_listeners.append(listener)
 
     # --- the socket and its connections -----------------------------------------------------
 
@@ -169,6 +175,8 @@ class RpcClient:
             peer.settled.set()
         elif event["event"] == _DISCONNECTED:
             self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
+            for listener in self._lost_listeners:
+                listener(peer.address)
         elif event["event"] == _CONNECT_RETRIED and not peer.connected:
             # Nobody accepted the connection (on a LAN or loopback: refused). Fail the calls
             # now rather than at the connect timeout; the next call tries afresh.

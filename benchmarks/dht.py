@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""DHT benchmark: one-hop operation latency, gossip convergence and steady-state traffic.
+
+    python benchmarks/dht.py [--sizes 16 64 128] [--ops 300] [--latency-ms 0] [--json]
+
+For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
+  * get and store latency p50/p99 against one plain RPC round trip between two of the same
+    nodes, measured in the same swarm at the same time (target: p99 <= 2x, flat in N)
+  * join: periods until a new node is in every member's view; crash: periods until no member
+    still counts a killed node as alive (target: <= log2(N) + 3 periods), and until it has
+    left every view (that adds the suspicion timeout). Two crashes: a node whose process
+    dies (its connections drop, which triggers an immediate probe) and a node in its own
+    process frozen with SIGSTOP (nothing drops: only the probe cycle finds it)
+  * steady state: messages and bytes per node per second (flat or logarithmic in N)
+
+With --latency-ms, every node sits behind an emulated link of that one-way latency, so
+network time dominates CPU time as it does across the internet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import resource
+import signal
+import tempfile
+import time
+
+import numpy as np
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.config.run import DhtConfig
+from agora_core.dht import DhtNode, Status
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.logs import configure_logging
+from agora_core.rpc import RpcConfig
+from agora_core.testing import spawn_python
+
+CONFIG = DhtConfig(
+    gossip_period_s=0.5,
+    probe_timeout_s=0.25,
+    suspicion_timeout_s=2.5,
+    op_timeout_s=3.0,
+    sync_periods=10,
+)
+
+
+def write_config(folder: str) -> str:
+    """A run config file holding this benchmark's DHT settings, for member processes."""
+    path = os.path.join(folder, "run.toml")
+    with open(path, "w") as f:
+        f.write("[dht]\n" + "".join(f"{k} = {v!r}\n" for k, v in dataclasses.asdict(CONFIG).items()))
+    return path
+
+
+async def wait_for(predicate, *, timeout_s: float, poll_s: float = 0.02) -> float:
+    """Seconds until ``predicate()`` holds (raises TimeoutError after ``timeout_s``)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(poll_s)
+    return time.monotonic() - start
+
+
+class Swarm:
+    def __init__(self, size: int, latency_ms: float, rng: random.Random):
+        self.size = size
+        self.rng = rng
+        # Every node may talk to every other; bound open connections so 2 ends x N x peers
+        # stays inside the process's file descriptor limit.
+        self.rpc = RpcConfig(max_connections=max(16, min(64, 12000 // (2 * size))))
+        self.link = LinkConfig(latency_s=latency_ms / 1000) if latency_ms else None
+        self.nodes: list[DhtNode] = []
+
+    def make(self, bootstrap: list[str]) -> DhtNode:
+        link = LinkEmulator(self.link) if self.link else None
+        return DhtNode(
+            key=NodeKey.generate(),
+            config=CONFIG,
+            bootstrap=bootstrap,
+            rpc_config=self.rpc,
+            link=link,
+            seed=self.rng.randrange(1 << 30),
+        )
+
+    async def start(self) -> None:
+        seed = self.make([])
+        await seed.start()
+        self.nodes.append(seed)
+        for _ in range(self.size - 1):
+            node = self.make([seed.address])
+            await node.start()
+            self.nodes.append(node)
+
+    async def spawn_remote(self, bootstrap: str):
+        """A member in its own OS process (``agora dht serve``): (child, node id, stack)."""
+        stack = contextlib.ExitStack()
+        folder = stack.enter_context(tempfile.TemporaryDirectory())
+        command = ["-m", "agora_core", "dht", "serve", "--bootstrap", bootstrap]
+        command += ["--config", write_config(folder), "--key-file", os.path.join(folder, "node.key")]
+        command += ["--status-interval", "600"]
+        child = stack.enter_context(spawn_python(command, env={"AGORA_LOG_LEVEL": "warning"}))
+        node_id = await asyncio.to_thread(child.read_until, "agora dht node ")
+        await asyncio.to_thread(child.read_until, "  serving    ")
+        return child, node_id, stack
+
+    def everyone_sees(self, node_id: str, statuses=(Status.ALIVE,)) -> bool:
+        for node in self.nodes:
+            member = node.table.get(node_id)
+            if member is None or member.status not in statuses:
+                return False
+        return True
+
+    def converged(self) -> bool:
+        ids = {n.node_id for n in self.nodes}
+        return all({m.node_id for m in n.members()} == ids for n in self.nodes)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.stop(leave=False) for n in self.nodes), return_exceptions=True)
+
+
+async def measure(report: Report, size: int, ops: int, latency_ms: float) -> None:
+    rng = random.Random(size)
+    swarm = Swarm(size, latency_ms, rng)
+    period = CONFIG.gossip_period_s
+    target = math.log2(size) + 3
+    report.note(f"N={size}: starting")
+    await swarm.start()
+    try:
+        await wait_for(swarm.converged, timeout_s=60 + size)
+
+        # join: a newcomer in every view
+        newcomer = swarm.make([swarm.nodes[rng.randrange(size)].address])
+        started = time.monotonic()
+        await newcomer.start()
+        swarm.nodes.append(newcomer)
+        await wait_for(lambda: swarm.everyone_sees(newcomer.node_id), timeout_s=60)
+        join_periods = (time.monotonic() - started) / period
+        report.add(f"N={size} join_known_by_all", join_periods, "periods", target=f"<= {target:.1f} periods")
+
+        # steady state: once the join news has been gossiped out, traffic per node per second
+        await wait_for(
+            lambda: all(n.table.pending_gossip == 0 for n in swarm.nodes), timeout_s=120, poll_s=period
+        )
+        before = [n.traffic() for n in swarm.nodes]
+        t0 = time.monotonic()
+        await asyncio.sleep(10 * period)
+        elapsed = time.monotonic() - t0
+        after = [n.traffic() for n in swarm.nodes]
+        messages = np.mean([(a[0] - b[0]) / elapsed for a, b in zip(after, before, strict=True)])
+        nbytes = np.mean([(a[1] - b[1]) / elapsed for a, b in zip(after, before, strict=True)])
+        report.add(f"N={size} steady_messages_per_node", messages, "msg/s")
+        report.add(f"N={size} steady_bytes_per_node", nbytes, "B/s")
+
+        # latency: one RPC round trip vs store and get, interleaved, same swarm, same time
+        expiration = time.time() + 600
+        rtts, stores, gets = [], [], []
+        keys = []
+        for i in range(ops):
+            a, b = rng.sample(swarm.nodes, 2)
+            t = time.perf_counter()
+            await a.client.call(b.address, "dht.get", {"keys": []})  # a minimal handler
+            rtts.append(time.perf_counter() - t)
+            key = f"bench/{size}/{i}"
+            t = time.perf_counter()
+            await a.store(key, "v", i, expiration)
+            stores.append(time.perf_counter() - t)
+            keys.append(key)
+            reader = rng.choice(swarm.nodes)
+            t = time.perf_counter()
+            value = await reader.get(rng.choice(keys))
+            gets.append(time.perf_counter() - t)
+            assert value, "a stored key read back empty"
+        rtt50, rtt99 = np.percentile(rtts, 50) * 1e3, np.percentile(rtts, 99) * 1e3
+        report.add(f"N={size} rpc_round_trip_p50", rtt50, "ms")
+        for name, samples in (("get", gets), ("store", stores)):
+            p50, p99 = np.percentile(samples, 50) * 1e3, np.percentile(samples, 99) * 1e3
+            report.compare(f"N={size} {name}_p50", p50, rtt50, "ms")
+            report.compare(
+                f"N={size} {name}_p99", p99, rtt99, "ms", target="ratio <= 2 vs one RPC round trip p99"
+            )
+
+        # crashes: a node whose process dies (its connections drop) and one that freezes
+        # silently (a hung host: connections stay open, nothing answers)
+        victim = swarm.nodes.pop(rng.randrange(1, len(swarm.nodes)))
+        started = time.monotonic()
+        await victim.stop(leave=False)
+        await report_crash(report, swarm, victim.node_id, started, f"N={size} crash", target)
+
+        frozen = await swarm.spawn_remote(swarm.nodes[rng.randrange(len(swarm.nodes))].address)
+        try:
+            await wait_for(lambda: swarm.everyone_sees(frozen[1]), timeout_s=60)
+            started = time.monotonic()
+            os.kill(frozen[0].pid, signal.SIGSTOP)
+            await report_crash(report, swarm, frozen[1], started, f"N={size} silent_crash", target)
+        finally:
+            frozen[0].kill()
+            frozen[2].close()
+    finally:
+        await swarm.stop()
+
+
+async def report_crash(report: Report, swarm: Swarm, node_id: str, started: float, name: str, target: float):
+    """Periods until no node counts ``node_id`` alive, then until it left every view."""
+    period = CONFIG.gossip_period_s
+
+    def nobody_counts_it_alive() -> bool:
+        return all((m := n.table.get(node_id)) is None or m.status != Status.ALIVE for n in swarm.nodes)
+
+    def gone_everywhere() -> bool:
+        return all(node_id not in {m.node_id for m in n.members()} for n in swarm.nodes)
+
+    await wait_for(nobody_counts_it_alive, timeout_s=60)
+    report.add(
+        f"{name}_known_by_all",
+        (time.monotonic() - started) / period,
+        "periods",
+        target=f"<= {target:.1f} periods",
+    )
+    await wait_for(gone_everywhere, timeout_s=60)
+    report.add(
+        f"{name}_removed_everywhere",
+        (time.monotonic() - started) / period,
+        "periods",
+        target=f"known + suspicion timeout ({CONFIG.suspicion_timeout_s / period:.0f} periods)",
+    )
+
+
+async def run(report: Report, sizes: list[int], ops: int, latency_ms: float) -> None:
+    for size in sizes:
+        await measure(report, size, ops, latency_ms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 128])
+    parser.add_argument("--ops", type=int, default=300, help="stores and gets per swarm size")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way link latency")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many sockets in one process
+    configure_logging(fmt="console", level="warning")
+    report = Report("dht", as_json=args.json)
+    report.note(f"gossip period {CONFIG.gossip_period_s} s, link latency {args.latency_ms} ms one way")
+    asyncio.run(run(report, args.sizes, args.ops, args.latency_ms))
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

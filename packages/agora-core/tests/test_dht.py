@@ -174,6 +174,19 @@ async def test_a_value_stored_via_any_node_is_read_via_any_other(swarm):
     assert many["any/missing"] == {}
 
 
+async def test_watch_yields_the_value_now_and_on_every_change(swarm):
+    watcher, writer = swarm.nodes[11], swarm.nodes[12]
+    await writer.store("watched", "v", 0, time.time() + 60)
+    seen = []
+    async with asyncio.timeout(20):
+        async for value in watcher.watch("watched", interval_s=PERIOD_S / 3):
+            seen.append(value["v"].value)
+            if seen[-1] == 2:
+                break
+            await writer.store("watched", "v", seen[-1] + 1, time.time() + 60 + seen[-1])
+    assert seen == [0, 1, 2]
+
+
 async def test_owned_subkeys_are_protected_by_every_replica(swarm):
     owner, mallory = NodeKey.generate(), NodeKey.generate()
     key, subkey = "stage/0/workers", owned_subkey(owner.public_key)

@@ -143,7 +143,7 @@ class DelayLine:
                 if result is not None:
                     await result
             except Exception as exc:  # like a packet lost on the link: the caller's deadline acts
-                log.warning("link_delivery_failed", error=f"{type(exc).__name__}: {exc}")
+                log.debug("link_delivery_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 class LinkEmulator:

@@ -65,8 +65,9 @@ class ChildProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"child {self.pid} printed no {prefix!r} line in {timeout_s:g} s")
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
+            poller = select.poll()  # not select(): descriptors above 1023 are common in swarms
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+            if not poller.poll(remaining * 1000):
                 continue
             chunk = os.read(fd, 65536)  # unbuffered: select and reads agree on what is pending
             if not chunk:

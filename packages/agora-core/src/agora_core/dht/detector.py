@@ -44,6 +44,11 @@ class FailureDetector:
         self.probes = 0
         self.failed_probes = 0
 
+    def member_added(self, node_id: str) -> None:
+        """Put a newcomer at a random place in this pass's probe order (as SWIM does), so it
+        is probed within this pass rather than only from the next one."""
+        self._order.insert(self._rng.randint(0, len(self._order)), node_id)
+
     def _next_target(self) -> Member | None:
         for _ in range(2):
             while self._order:

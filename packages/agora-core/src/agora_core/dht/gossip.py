@@ -42,6 +42,7 @@ class Gossip:
             suspicion_timeout_s=config.suspicion_timeout_s,
             tombstone_s=config.tombstone_s,
             on_change=on_change,
+            on_new_member=lambda node_id: self.detector.member_added(node_id),
         )
         self.detector = FailureDetector(
             self.table,

@@ -103,6 +103,7 @@ class MemberTable:
         tombstone_s: float,
         retransmit_mult: int = 4,
         on_change: Callable[[], None] | None = None,
+        on_new_member: Callable[[str], None] | None = None,
     ):
         self.me = me
         self._members: dict[str, Member] = {}
@@ -110,6 +111,7 @@ class MemberTable:
         self._tombstone_s = tombstone_s
         self._retransmit_mult = retransmit_mult
         self._on_change = on_change or (lambda: None)
+        self._on_new_member = on_new_member or (lambda node_id: None)
         self._gossip: dict[str, tuple[list, int]] = {}  # node id -> (update, times sent)
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
@@ -163,6 +165,7 @@ class MemberTable:
                 self.suspicions += 1
             if update.status not in GONE:
                 self._queue(update)
+                self._on_new_member(update.node_id)
                 self._on_change()
             return update.status not in GONE
         if not _overrides(update, old):

@@ -116,6 +116,11 @@ class RpcClient:
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
         self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
         self._lost_listeners: list[Callable[[str], None]] = []
+        client_bytes = metrics.counter(
+            "agora_rpc_client_bytes_total", "Bytes through the client socket.", ["direction"]
+        )
+        self._m_sent = client_bytes.labels(direction="sent")
+        self._m_received = client_bytes.labels(direction="received")
 
     def on_connection_lost(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(address)`` whenever an established connection drops (the peer
@@ -199,7 +204,9 @@ class RpcClient:
     async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
-        self.traffic.sent(frames_nbytes(frames))
+        nbytes = frames_nbytes(frames)
+        self.traffic.sent(nbytes)
+        self._m_sent.inc(nbytes)
         try:
             await self._socket().send([peer.routing_id, *frames], deadline)
         except ConnectionError:
@@ -217,7 +224,9 @@ class RpcClient:
     # --- incoming messages -------------------------------------------------------------------
 
     def _on_frames(self, frames: list) -> None:
-        self.traffic.received(frames_nbytes(frames))
+        nbytes = frames_nbytes(frames)
+        self.traffic.received(nbytes)
+        self._m_received.inc(nbytes)
         peer = self._by_routing_id.get(frames[0].bytes)
         if peer is None or len(frames) < 2:
             return  # from a connection already dropped

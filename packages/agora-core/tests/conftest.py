@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.logs import configure_logging
 from agora_core.testing import spawn_python
 
 RPC_NODE = str(Path(__file__).parent / "rpc_node.py")
@@ -22,9 +21,3 @@ def spawn_rpc_node(*args: str):
 def rpc_node():
     with spawn_rpc_node() as (child, address):
         yield child, address
-
-
-@pytest.fixture(scope="session", autouse=True)
-def quiet_logs():
-    """Nodes log their lifecycle at info; in tests only warnings are worth reading."""
-    configure_logging(fmt="console", level="warning")

@@ -20,12 +20,8 @@ from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.node_cli import fail, node_options, resolve_node
 from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,11 +40,11 @@ def keygen(key_file: str | None, force: bool) -> None:
     try:
         settings = NodeSettings.resolve({"key_file": key_file})
         if Path(settings.key_file).expanduser().exists() and not force:
-            _fail(f"key file {settings.key_file} already exists; --force replaces it (and its identity)")
+            fail(f"key file {settings.key_file} already exists; --force replaces it (and its identity)")
         path = NodeKey.generate().save(settings.key_file, overwrite=force)
         key = NodeKey.load(path)
     except AgoraError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"node id:    {key.node_id}")
     click.echo(f"public key: {key.public_key.hex()}")
     click.echo(f"key file:   {path}")
@@ -66,7 +62,7 @@ def config_check(file: str) -> None:
     try:
         run = load_run_config(file)
     except ConfigError as exc:
-        _fail(f"{file}: {exc}")
+        fail(f"{file}: {exc}")
     m = run.model
     click.echo(f"{file}: ok")
     click.echo(f"  run        {run.name} (seed {run.seed})")
@@ -176,12 +172,12 @@ def serve(listen, metrics_port, link, log_format, duration_s, self_check) -> Non
             {"listen": listen, "metrics_port": metrics_port, "link": link, "log_format": log_format}
         )
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     try:
         asyncio.run(_serve(settings, duration_s, self_check))
     except OSError as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=1)
 
 
 # --- the DHT ---------------------------------------------------------------------------------
@@ -252,18 +248,10 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
 
 
 @dht.command("serve")
-@click.option("--listen", help="host:port to serve on (default 127.0.0.1:0, a free port).")
-@click.option("--advertise", help="Address others should dial, if not the listen address.")
-@click.option("--bootstrap", multiple=True, help="Address of a member to join through (repeatable).")
+@node_options
 @click.option(
     "--config", "config_file", type=click.Path(dir_okay=False), help="Run config TOML (its [dht] section)."
 )
-@click.option(
-    "--key-file", help="Node key (created if missing). Default: $AGORA_KEY_FILE or ~/.agora/node.key."
-)
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any).")
-@click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".')
-@click.option("--log-format", type=click.Choice(["auto", "console", "json"]))
 @click.option(
     "--status-interval",
     "status_interval_s",
@@ -273,35 +261,15 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
     help="Seconds between status log lines.",
 )
 @click.option("--duration", "duration_s", type=float, help="Leave and stop after this many seconds.")
-def dht_serve(
-    listen,
-    advertise,
-    bootstrap,
-    config_file,
-    key_file,
-    metrics_port,
-    link,
-    log_format,
-    status_interval_s,
-    duration_s,
-) -> None:
+def dht_serve(config_file, status_interval_s, duration_s, bootstrap, **options) -> None:
     """Run a DHT node (a seed when --bootstrap is not given) until Ctrl-C."""
+    settings = resolve_node(options)
     try:
-        settings = NodeSettings.resolve(
-            {
-                "listen": listen,
-                "advertise": advertise,
-                "key_file": key_file,
-                "metrics_port": metrics_port,
-                "link": link,
-                "log_format": log_format,
-            }
-        )
         run = load_run_config(config_file) if config_file else RunConfig()
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     try:
         asyncio.run(_serve_dht(settings, run, list(bootstrap), status_interval_s, duration_s))
     except (OSError, AgoraError) as exc:
-        _fail(str(exc), code=1)
+        fail(str(exc), code=1)

@@ -69,6 +69,12 @@ class BadRequest(RpcError):
     code = "bad_request"
 
 
+class StageMismatch(BadRequest):
+    """A request for one pipeline stage reached a worker of another."""
+
+    code = "stage_mismatch"
+
+
 class HandlerFailed(RpcError):
     """The handler raised an unexpected exception; the message names its type and text."""
 
@@ -105,6 +111,7 @@ _RPC_ERRORS: dict[str, type[RpcError]] = {
         RpcError,
         UnknownMethod,
         BadRequest,
+        StageMismatch,
         HandlerFailed,
         DeadlineExceeded,
         PeerUnreachable,

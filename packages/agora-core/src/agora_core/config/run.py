@@ -20,6 +20,21 @@ MiB = 1 << 20
 
 
 @dataclass(kw_only=True, frozen=True)
+class SurrogateConfig:
+    """Stand-ins for transformer stages in system tests (``model.kind = "surrogate"``)."""
+
+    forward_delay_s: float = 0.0  # injected compute time per sample, forward
+    backward_delay_s: float = 0.0  # injected compute time per sample, backward
+    dummy_parameters: int = 0  # untrained parameters, to size the averaging payload
+    fail_token: int = -1  # fault injection: a batch holding this token id fails in compute
+
+    def __post_init__(self) -> None:
+        require(self.forward_delay_s >= 0, "forward_delay_s", "must be >= 0")
+        require(self.backward_delay_s >= 0, "backward_delay_s", "must be >= 0")
+        require(self.dummy_parameters >= 0, "dummy_parameters", "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     kind: Literal["transformer", "surrogate"] = "transformer"  # surrogate: linear test stages
     d_model: int = 5120  # report: d = 5120
@@ -31,6 +46,7 @@ class ModelConfig:
     # Transformer blocks per stage, head first and tail last. Report: 32 blocks in 7 stages,
     # 6 in the head and the tail, 4 in each body.
     stage_layers: tuple[int, ...] = (6, 4, 4, 4, 4, 4, 6)
+    surrogate: SurrogateConfig = field(default_factory=SurrogateConfig)
 
     def __post_init__(self) -> None:
         require(self.d_model > 0, "d_model", "must be positive")
@@ -169,7 +185,7 @@ class DhtConfig:
     sync_periods: int = 10  # every this many periods: membership and record anti-entropy
     tombstone_s: float = 60.0  # how long departed members are remembered (blocks stale gossip)
     piggyback_updates: int = 16  # membership updates carried per protocol message
-    gossip_fanout: int = 3  # members news is pushed to, four times a period, while there is news
+    gossip_fanout: int = 3  # members news is pushed to, twice a period, while there is news
 
     def __post_init__(self) -> None:
         require(self.replication >= 1, "replication", "must be >= 1")

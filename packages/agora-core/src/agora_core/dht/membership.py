@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -242,7 +243,7 @@ class MemberTable:
         if not self._gossip:
             return []
         budget = self._retransmit_mult * math.ceil(math.log2(len(self._members) + 2))
-        chosen = sorted(self._gossip.items(), key=lambda item: item[1][1])[:limit]
+        chosen = heapq.nsmallest(limit, self._gossip.items(), key=lambda item: item[1][1])
         updates = []
         for node_id, (update, sent) in chosen:
             updates.append(update)

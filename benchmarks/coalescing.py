@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Coalescing benchmark: a worker serving 16 single-sample clients vs the module in-process.
+
+    python benchmarks/coalescing.py [--seconds 8] [--clients 16] [--max-batch 16] [--json]
+
+One worker (a body stage of the tiny example transformer, CPU) runs in its own process; this
+process runs the clients, each keeping one single-sample request in flight. Baseline: the same
+stage module called in-process on batches of the worker's maximum size, same torch threads.
+Figures: samples/s served vs in-process (target >= 0.85x), for forward and for backward, and
+the runtime's overhead per request (wall time not spent computing, per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.config import load_run_config
+from agora_core.identity import NodeKey
+from agora_core.logs import configure_logging
+from agora_core.rpc import RpcClient
+from agora_core.testing import spawn_python
+from agora_worker.model import build_stage
+from agora_worker.settings import WorkerSettings
+from agora_worker.worker import Worker
+
+SCRIPT = str(Path(__file__).resolve())
+CONFIG = Path(SCRIPT).parent.parent / "examples" / "tiny.toml"
+STAGE = 1
+TORCH_THREADS = 1  # the same for the worker and the baseline; the clients need the other core
+
+
+async def serve(max_batch: int) -> None:
+    torch.set_num_threads(TORCH_THREADS)
+    configure_logging(fmt="json", level="warning")
+    run = load_run_config(CONFIG)
+    worker = Worker(
+        run=run,
+        stage=STAGE,
+        key=NodeKey.generate(),
+        settings=WorkerSettings(device="cpu", max_batch_samples=max_batch),
+    )
+    print(f"ADDRESS {await worker.start()}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await worker.stop(grace_s=1)
+
+
+def inprocess_samples_per_s(kind: str, max_batch: int, seconds: float) -> float:
+    torch.set_num_threads(TORCH_THREADS)
+    run = load_run_config(CONFIG)
+    module = build_stage(run, STAGE)
+    t, k = run.model.seq_len, run.model.subspace_rank
+    tokens = torch.randint(0, run.model.vocab_size, (max_batch, t))
+    boundary = torch.randn(max_batch, t, k)
+    grad = torch.randn(max_batch, t, k)
+    samples, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        if kind == "forward":
+            with torch.no_grad():
+                module(tokens, boundary)
+        else:  # what a worker's backward does: recompute the forward, then backpropagate
+            x = boundary.clone().requires_grad_(True)
+            torch.autograd.backward(module(tokens, x), grad)
+            module.zero_grad(set_to_none=True)
+        samples += max_batch
+    return samples / (time.perf_counter() - started)
+
+
+async def served(address: str, kind: str, clients: int, seconds: float) -> tuple[float, dict, dict]:
+    run = load_run_config(CONFIG)
+    t, k = run.model.seq_len, run.model.subspace_rank
+    rng = np.random.default_rng(0)
+    done = 0
+    async with RpcClient() as client:
+        before = (await client.call(address, "worker.info")).meta
+
+        async def lane(seed: int) -> None:
+            nonlocal done
+            tokens = rng.integers(0, run.model.vocab_size, (1, t), dtype=np.int64)
+            boundary = rng.standard_normal((1, t, k), dtype=np.float32)
+            tensors = {"tokens": tokens, "boundary": boundary}
+            if kind == "backward":
+                tensors["grad"] = rng.standard_normal((1, t, k), dtype=np.float32)
+            while time.perf_counter() < stop_at:
+                await client.call(address, kind, {"stage": STAGE}, tensors)
+                done += 1
+
+        started = time.perf_counter()
+        stop_at = started + seconds
+        await asyncio.gather(*(lane(i) for i in range(clients)))
+        elapsed = time.perf_counter() - started
+        after = (await client.call(address, "worker.info")).meta
+    return done / elapsed, before, after
+
+
+async def run(report: Report, seconds: float, clients: int, max_batch: int) -> None:
+    with spawn_python([SCRIPT, "--serve", "--max-batch", str(max_batch)]) as child:
+        address = child.read_until("ADDRESS ")
+        await served(address, "forward", clients, 1.0)  # warm up
+        for kind in ("forward", "backward"):
+            report.note(
+                f"{kind}: {clients} clients for {seconds:g} s, then in-process batches of {max_batch}"
+            )
+            rate, _before, after = await served(address, kind, clients, seconds)
+            baseline = inprocess_samples_per_s(kind, max_batch, seconds)
+            report.compare(
+                f"{kind}_samples_per_s",
+                rate,
+                baseline,
+                "samples/s",
+                target="ratio >= 0.85 vs the module in-process at the same max batch",
+            )
+            sizes = after["recent_batch_sizes"][-200:]
+            report.add(f"{kind}_mean_coalesced_batch", float(np.mean(sizes)), "samples")
+            # Per request: the time a saturated worker spends on anything but the module itself.
+            report.add(f"{kind}_runtime_overhead_per_request", (1 / rate - 1 / baseline) * 1e6, "us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return asyncio.run(serve(args.max_batch))
+    report = Report("coalescing", as_json=args.json)
+    asyncio.run(run(report, args.seconds, args.clients, args.max_batch))
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

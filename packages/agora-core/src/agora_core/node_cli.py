@@ -1,0 +1,52 @@
+"""Command-line options every Agora node shares, for the role CLIs built on click.
+
+``@node_options`` adds ``--listen --advertise --bootstrap --key-file --metrics-port --link
+--log-format`` to a command; :func:`resolve_node` turns what the user gave into
+:class:`NodeSettings` (flags over ``AGORA_*`` variables over defaults), and :func:`fail`
+prints an expected failure as one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from agora_core.config import NodeSettings
+from agora_core.errors import ConfigError
+
+NODE_OPTIONS = ("listen", "advertise", "key_file", "metrics_port", "link", "log_format")
+
+_OPTIONS = [
+    click.option("--listen", help="host:port to serve on (default 127.0.0.1:0, a free port)."),
+    click.option("--advertise", help="Address others should dial, if not the listen address."),
+    click.option("--bootstrap", multiple=True, help="Address of a DHT member to join through (repeatable)."),
+    click.option(
+        "--key-file", help="Node key (created if missing). Default: $AGORA_KEY_FILE or ~/.agora/node.key."
+    ),
+    click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any)."),
+    click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".'),
+    click.option("--log-format", type=click.Choice(["auto", "console", "json"])),
+]
+
+
+def node_options(command: Callable) -> Callable:
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def resolve_node(options: dict[str, Any], **extra: Any) -> NodeSettings:
+    """NodeSettings from a command's node options (and ``extra`` fields such as device)."""
+    try:
+        return NodeSettings.resolve({**{name: options.get(name) for name in NODE_OPTIONS}, **extra})
+    except ConfigError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail() exits

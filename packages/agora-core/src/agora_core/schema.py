@@ -1,0 +1,107 @@
+"""What the roles of a run tell each other through the DHT: key names and value schemas.
+
+Workers announce themselves and their stage's progress; trainers read the announcements to
+route work. Both sides import this module (trainers without torch), and every DHT node can
+enforce the schemas on receive with :func:`register_validators`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from agora_core.dht.records import RecordRejected
+from agora_core.dht.storage import Validators
+
+PHASES = ("serving", "weight_sync", "optimizer_sync")
+
+
+def stage_workers_key(run: str, stage: int) -> str:
+    """Where the workers of ``stage`` announce themselves (one owned subkey each)."""
+    return f"{run}/stage/{stage}/workers"
+
+
+def stage_progress_key(run: str, stage: int) -> str:
+    """Where the workers of ``stage`` publish how many samples they accumulated this step."""
+    return f"{run}/stage/{stage}/progress"
+
+
+def _field(value: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+    item = value.get(name)
+    if isinstance(item, bool) or not isinstance(item, kind):
+        raise RecordRejected(f"field {name!r} has the wrong type ({type(item).__name__})")
+    return item
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerAnnouncement:
+    """A worker's entry under :func:`stage_workers_key`, refreshed with a short expiry."""
+
+    node_id: str
+    address: str
+    stage: int
+    phase: str  # serving | weight_sync (invisible to trainers) | optimizer_sync
+    throughput: float  # samples per second it measured serving
+    load: int  # samples waiting in its queues
+    max_batch: int  # samples it merges into one microbatch at most
+    version: str  # agora-worker version
+
+    def to_value(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> WorkerAnnouncement:
+        if not isinstance(value, dict):
+            raise RecordRejected("a worker announcement must be a map")
+        announcement = cls(
+            node_id=_field(value, "node_id", str),
+            address=_field(value, "address", str),
+            stage=_field(value, "stage", int),
+            phase=_field(value, "phase", str),
+            throughput=float(_field(value, "throughput", (int, float))),
+            load=_field(value, "load", int),
+            max_batch=_field(value, "max_batch", int),
+            version=_field(value, "version", str),
+        )
+        if announcement.phase not in PHASES:
+            raise RecordRejected(f"phase must be one of {PHASES}")
+        if announcement.stage < 0 or announcement.max_batch < 1 or announcement.load < 0:
+            raise RecordRejected("stage, max_batch and load must be non-negative (max_batch >= 1)")
+        return announcement
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageProgress:
+    """A worker's entry under :func:`stage_progress_key`: its step and samples toward it."""
+
+    node_id: str
+    step: int
+    samples: int
+
+    def to_value(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> StageProgress:
+        if not isinstance(value, dict):
+            raise RecordRejected("a stage progress report must be a map")
+        progress = cls(
+            node_id=_field(value, "node_id", str),
+            step=_field(value, "step", int),
+            samples=_field(value, "samples", int),
+        )
+        if progress.step < 0 or progress.samples < 0:
+            raise RecordRejected("step and samples must be non-negative")
+        return progress
+
+
+def register_validators(validators: Validators, run: str) -> None:
+    """Make a DHT node refuse malformed announcements and progress reports of ``run``."""
+
+    def check(key: str, subkey: str, value: Any) -> None:
+        if key.endswith("/workers"):
+            WorkerAnnouncement.from_value(value)
+        elif key.endswith("/progress"):
+            StageProgress.from_value(value)
+
+    validators.register(f"{run}/stage/", check)

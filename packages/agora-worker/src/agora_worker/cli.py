@@ -1,0 +1,111 @@
+"""``agora-worker``: contribute a GPU (or CPU) to an Agora run by serving one pipeline stage."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import click
+
+from agora_core.config import NodeSettings, load_run_config
+from agora_core.errors import AgoraError, ConfigError
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import configure_logging, get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.node_cli import fail, node_options, resolve_node
+from agora_worker import __version__
+from agora_worker.settings import WorkerSettings
+from agora_worker.worker import Worker
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="agora-worker")
+def main() -> None:
+    """Serve one pipeline stage of an Agora run."""
+
+
+async def _run(worker: Worker, settings: NodeSettings) -> None:
+    log = get_logger("worker.cli")
+    endpoint = worker.metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    address = await worker.start()
+    click.echo(f"agora-worker {__version__}: stage {worker.stage} ({worker.kind}) of run {worker.run.name!r}")
+    click.echo(f"  node id    {worker.key.node_id}")
+    click.echo(f"  serving    {address}")
+    click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
+    if endpoint is not None:
+        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+        log.info("shutting_down", grace_s=worker.settings.shutdown_grace_s)
+    finally:
+        await worker.stop()
+        if endpoint is not None:
+            endpoint.close()
+        if settings.metrics_push_gateway:
+            worker.metrics.push(settings.metrics_push_gateway)
+        click.echo("stopped")
+
+
+@main.command()
+@click.option(
+    "--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Run config TOML."
+)
+@click.option("--stage", required=True, type=int, help="Pipeline stage to serve (0 = head).")
+@node_options
+@click.option("--device", help="auto (default: CUDA when present), cpu, cuda or cuda:N.")
+@click.option("--max-batch", "max_batch", type=int, help="Most samples merged into one microbatch.")
+@click.option("--max-batch-tokens", type=int, help="Most tokens in one microbatch.")
+@click.option(
+    "--progress-interval", "progress_interval_s", type=float, help="Seconds between stage-progress checks."
+)
+@click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
+def run(
+    config_file,
+    stage,
+    bootstrap,
+    device,
+    max_batch,
+    max_batch_tokens,
+    progress_interval_s,
+    announce_interval_s,
+    **options,
+) -> None:
+    """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
+    node = resolve_node(options, device=device)
+    try:
+        run_config = load_run_config(config_file)
+        worker_settings = {
+            "device": node.device,
+            "max_batch_samples": max_batch,
+            "max_batch_tokens": max_batch_tokens,
+            "progress_interval_s": progress_interval_s,
+            "announce_interval_s": announce_interval_s,
+        }
+        settings = WorkerSettings(**{k: v for k, v in worker_settings.items() if v is not None})
+    except ConfigError as exc:
+        fail(str(exc))
+    configure_logging(fmt=node.log_format, level=node.log_level)
+    try:
+        key = NodeKey.load_or_create(node.key_file)
+        link_emulator = LinkEmulator(node.link_config) if node.link_config else None
+        worker = Worker(
+            run=run_config,
+            stage=stage,
+            key=key,
+            listen=node.listen,
+            bootstrap=list(bootstrap),
+            advertise=node.advertise,
+            settings=settings,
+            metrics=NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12]),
+            link=link_emulator,
+        )
+        asyncio.run(_run(worker, node))
+    except (AgoraError, OSError, ValueError) as exc:
+        fail(str(exc), code=1)

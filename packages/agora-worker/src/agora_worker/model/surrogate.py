@@ -1,0 +1,56 @@
+"""Surrogate stages for system tests: small linear layers on the real boundary shapes.
+
+They behave like stages to everything around them (same requests, same boundary payloads,
+same optimizer and averaging paths) while computing almost nothing: injected per-sample
+delays stand in for compute time, untrained dummy parameters for a large model's averaging
+payload, and ``fail_token`` makes a chosen sample fail in compute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from agora_core.config.run import ModelConfig
+from agora_worker.model.seeding import normal
+from agora_worker.model.stages import per_sample_loss, stage_kind
+
+
+class SurrogateStage(nn.Module):
+    def __init__(self, config: ModelConfig, seed: int, stage: int):
+        super().__init__()
+        self.config = config
+        self.stage = stage
+        self.kind = stage_kind(stage, config.n_stages)
+        self.boundary_width = k = config.subspace_rank
+        self.surrogate = config.surrogate
+        if self.kind == "head":
+            self.embedding = nn.Parameter(normal((config.vocab_size, k), 0.1, seed, "surrogate.embedding"))
+        self.linear = nn.Linear(k, k)
+        with torch.no_grad():
+            self.linear.weight.copy_(normal((k, k), 0.1, seed, f"surrogate.{stage}.linear"))
+            self.linear.bias.zero_()
+        if self.kind == "tail":
+            self.lm_head = nn.Linear(k, config.vocab_size, bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(normal((config.vocab_size, k), 0.1, seed, "surrogate.lm_head"))
+        self.dummy = nn.Parameter(torch.zeros(self.surrogate.dummy_parameters), requires_grad=False)
+
+    def forward(
+        self, tokens: torch.Tensor, boundary: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.surrogate.fail_token >= 0 and bool((tokens == self.surrogate.fail_token).any()):
+            raise RuntimeError(f"injected failure: token {self.surrogate.fail_token} in the batch")
+        x = self.embedding[tokens] if self.kind == "head" else boundary  # (B, T, k)
+        x = x + torch.tanh(self.linear(x))
+        if self.kind != "tail":
+            return x
+        logits = self.lm_head(x)  # (B, T, V)
+        return logits if labels is None else per_sample_loss(logits, labels)
+
+    def delay(self, phase: str, samples: int) -> None:
+        per_sample = self.surrogate.forward_delay_s if phase == "forward" else self.surrogate.backward_delay_s
+        if per_sample > 0:
+            time.sleep(per_sample * samples)  # stands in for compute: this is the compute thread

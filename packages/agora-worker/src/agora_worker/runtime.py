@@ -1,0 +1,249 @@
+"""The worker's compute loop: two queues, batch coalescing, one compute thread.
+
+Connection handlers put each request on the forward or the backward queue. The compute thread
+always serves the queue whose oldest request is older, merges the requests waiting in that
+queue (same kind, same sequence length) into one microbatch up to the configured maximum
+samples and tokens, runs it, and hands each caller its own slice of the result. If a merged
+batch fails, its requests are retried one by one, so a poisoned request fails alone.
+Control work (an optimizer step) runs on the same thread between batches, so weights never
+change under a running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_worker.backend import StageBackend
+
+log = get_logger("worker.runtime")
+
+FORWARD_KINDS = ("forward", "evaluate")
+BACKWARD_KINDS = ("backward", "forward_backward")
+IDLE_WAIT_S = 0.5  # the compute thread re-checks for shutdown at least this often
+
+
+@dataclass(eq=False)
+class Task:
+    kind: str  # forward | evaluate | backward | forward_backward
+    inputs: dict[str, np.ndarray]  # tokens (B, T) and, by kind, boundary, grad, labels
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+    @property
+    def samples(self) -> int:
+        return self.inputs["tokens"].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.inputs["tokens"].shape[1]
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Runtime:
+    def __init__(
+        self,
+        backend: StageBackend,
+        *,
+        max_batch_samples: int,
+        max_batch_tokens: int,
+        metrics: NodeMetrics | None = None,
+    ):
+        if max_batch_samples < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch_samples and max_batch_tokens must be >= 1")
+        self.backend = backend
+        self.max_batch_samples = max_batch_samples
+        self.max_batch_tokens = max_batch_tokens
+        self._forward: collections.deque[Task] = collections.deque()
+        self._backward: collections.deque[Task] = collections.deque()
+        self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.samples_processed = 0
+        self.compute_seconds = 0.0
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # recent, for tests/tools
+        metrics = metrics or NodeMetrics(role="worker")
+        self._m_wait = metrics.histogram(
+            "agora_worker_queue_wait_seconds", "Time requests wait in a queue.", ["queue"]
+        )
+        self._m_compute = metrics.histogram(
+            "agora_worker_compute_seconds", "Compute time per microbatch.", ["kind"]
+        )
+        self._m_batch = metrics.histogram(
+            "agora_worker_batch_samples",
+            "Samples per coalesced microbatch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+        self._m_samples = metrics.counter(
+            "agora_worker_samples_total", "Samples computed, by kind.", ["kind"]
+        )
+
+    # --- the event loop's side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="agora-compute", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    @property
+    def queued_samples(self) -> int:
+        with self._cond:
+            return sum(t.samples for t in self._forward) + sum(t.samples for t in self._backward)
+
+    async def submit(self, kind: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Queue a request (checked numpy inputs) and wait for its share of the result, as
+        numpy arrays. Cancelling the wait (the caller's deadline) drops the request if it has
+        not started."""
+        loop = asyncio.get_running_loop()
+        task = Task(kind, inputs, loop.create_future(), loop)
+        with self._cond:
+            (self._forward if kind in FORWARD_KINDS else self._backward).append(task)
+            self._cond.notify()
+        try:
+            return await task.future
+        finally:
+            task.cancelled = True
+
+    def call(self, work: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``work`` on the compute thread before the next batch (an optimizer step)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._controls.append((work, future))
+            self._cond.notify()
+        return future
+
+    # --- the compute thread -----------------------------------------------------------------------
+
+    def _next(self) -> tuple[str, Any] | None:
+        """Under the lock: the next control or batch, or None when there is nothing to do."""
+        if self._controls:
+            return "control", self._controls.popleft()
+        for queue in (self._forward, self._backward):
+            while queue and queue[0].cancelled:
+                queue.popleft()
+        heads = [q for q in (self._forward, self._backward) if q]
+        if not heads:
+            return None
+        queue = min(heads, key=lambda q: q[0].enqueued)  # the older request goes first
+        first = queue.popleft()
+        batch, samples, tokens = [first], first.samples, first.samples * first.length
+        kept: collections.deque[Task] = collections.deque()
+        while queue:
+            task = queue.popleft()
+            fits = (
+                task.kind == first.kind
+                and task.length == first.length
+                and samples + task.samples <= self.max_batch_samples
+                and tokens + task.samples * task.length <= self.max_batch_tokens
+            )
+            if task.cancelled:
+                continue
+            if fits:
+                batch.append(task)
+                samples += task.samples
+                tokens += task.samples * task.length
+            else:
+                kept.append(task)
+        queue.extend(kept)  # order kept: they are the next batch's candidates
+        return "batch", batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                item = self._next()
+                while item is None and not self._stopping:
+                    self._cond.wait(IDLE_WAIT_S)
+                    item = self._next()
+                if item is None:
+                    return  # stopping, and nothing left to do
+            what, payload = item
+            if what == "control":
+                work, future = payload
+                try:
+                    future.set_result(work())
+                except BaseException as exc:  # reported to whoever asked for the work
+                    future.set_exception(exc)
+            else:
+                self._run_batch(payload)
+
+    def _run_batch(self, batch: list[Task]) -> None:
+        started = time.monotonic()
+        for task in batch:
+            self._m_wait.labels(queue="forward" if task.kind in FORWARD_KINDS else "backward").observe(
+                started - task.enqueued
+            )
+        try:
+            results = self._compute(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                log.warning("request_failed", kind=batch[0].kind, error=f"{type(exc).__name__}: {exc}")
+                self._deliver(batch[0], None, exc)
+                return
+            for task in batch:  # find the poisoned request: the others still get answers
+                self._run_batch([task])
+            return
+        elapsed = time.monotonic() - started
+        samples = sum(task.samples for task in batch)
+        self.samples_processed += samples
+        self.compute_seconds += elapsed
+        self.batch_sizes.append(samples)
+        self._m_compute.labels(kind=batch[0].kind).observe(elapsed)
+        self._m_batch.observe(samples)
+        self._m_samples.labels(kind=batch[0].kind).inc(samples)
+        for task, result in zip(batch, results, strict=True):
+            self._deliver(task, result, None)
+
+    def _compute(self, batch: list[Task]) -> list[dict[str, np.ndarray]]:
+        names = batch[0].inputs.keys()
+        merged = {
+            name: torch.from_numpy(np.concatenate([task.inputs[name] for task in batch])) for name in names
+        }
+        backend, kind = self.backend, batch[0].kind
+        if kind == "forward":
+            outputs = {"boundary": backend.forward(merged["tokens"], merged.get("boundary"))}
+        elif kind == "evaluate":
+            outputs = {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
+        elif kind == "backward":
+            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
+            outputs = {} if grad is None else {"grad": grad}
+        else:
+            loss, grad = backend.forward_backward(merged["tokens"], merged["boundary"], merged["labels"])
+            outputs = {"loss": loss, "grad": grad}
+        bounds = np.cumsum([task.samples for task in batch])[:-1]
+        split = {name: np.split(tensor.detach().cpu().numpy(), bounds) for name, tensor in outputs.items()}
+        return [{name: parts[i] for name, parts in split.items()} for i in range(len(batch))]
+
+    @staticmethod
+    def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
+        if not task.loop.is_closed():
+            task.loop.call_soon_threadsafe(_settle, task.future, result, error)

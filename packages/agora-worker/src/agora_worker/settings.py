@@ -1,0 +1,51 @@
+"""Node-local settings of a worker (the run config says what to train; this says how here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agora_core.config import require
+
+CPU_BATCH_SAMPLES = 32
+
+
+@dataclass(kw_only=True, frozen=True)
+class WorkerSettings:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Largest coalesced microbatch; None sizes it from the device's memory.
+    max_batch_samples: int | None = None
+    max_batch_tokens: int | None = None  # default: max_batch_samples * seq_len
+    progress_interval_s: float = 1.0  # how often stage progress is published and read
+    announce_interval_s: float = 2.0  # how often the announcement is refreshed (expiry: 3x)
+    shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
+
+    def __post_init__(self) -> None:
+        require(
+            self.max_batch_samples is None or self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1"
+        )
+        require(
+            self.max_batch_tokens is None or self.max_batch_tokens >= 1, "max_batch_tokens", "must be >= 1"
+        )
+        for name in ("progress_interval_s", "announce_interval_s", "shutdown_grace_s"):
+            require(getattr(self, name) > 0, name, "must be positive")
+
+
+def batch_limits(
+    settings: WorkerSettings, device: torch.device, *, seq_len: int, bytes_per_token: int
+) -> tuple[int, int]:
+    """(samples, tokens) per microbatch: as configured, else what the device memory allows.
+
+    ``bytes_per_token`` estimates the activation memory one token costs in a stage's recomputed
+    forward and backward; a quarter of free accelerator memory is left for everything else.
+    """
+    samples = settings.max_batch_samples
+    if samples is None:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            samples = max(1, int(0.75 * free) // max(1, bytes_per_token * seq_len))
+        else:
+            samples = CPU_BATCH_SAMPLES
+    tokens = settings.max_batch_tokens or samples * seq_len
+    return samples, tokens

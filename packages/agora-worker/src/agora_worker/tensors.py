@@ -1,0 +1,61 @@
+"""Checks on the tensors a request carries, before it may queue for compute.
+
+Requests stay numpy arrays until the compute thread merges a batch (one ``np.concatenate``
+and one ``torch.from_numpy`` per input), which keeps per-request work off the event loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agora_core.dtypes import TaggedArray, Tensor
+from agora_core.errors import BadRequest
+
+INTEGER_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def bfloat16_to_float32(words: np.ndarray) -> np.ndarray:
+    """bf16 is the top half of a float32: widen the bits, exactly."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def token_ids(
+    name: str, array: Tensor | None, *, vocab_size: int, max_batch: int, max_len: int
+) -> np.ndarray:
+    """Check a (B, T) array of token ids; returns int64."""
+    if array is None:
+        raise BadRequest(f"missing tensor {name!r}")
+    if not isinstance(array, np.ndarray) or array.dtype not in INTEGER_DTYPES:
+        raise BadRequest(
+            f"{name!r} must be int32 or int64 token ids, got {getattr(array, 'dtype', type(array))}"
+        )
+    if array.ndim != 2 or not 1 <= array.shape[0] <= max_batch or not 1 <= array.shape[1] <= max_len:
+        raise BadRequest(
+            f"{name!r} must have shape (B, T) with 1 <= B <= {max_batch} and 1 <= T <= {max_len}, "
+            f"got {tuple(array.shape)}"
+        )
+    if array.min() < 0 or array.max() >= vocab_size:
+        raise BadRequest(f"{name!r} holds ids outside [0, {vocab_size})")
+    return array.astype(np.int64, copy=False)
+
+
+def activations(name: str, array: Tensor | None, *, shape: tuple[int, ...]) -> np.ndarray:
+    """Check a boundary payload or gradient of the expected shape; returns float32."""
+    if array is None:
+        raise BadRequest(f"missing tensor {name!r}")
+    if isinstance(array, TaggedArray):
+        if array.dtype != "bfloat16":
+            raise BadRequest(f"{name!r} must be float32, bfloat16 or float16, got {array.dtype}")
+        values = bfloat16_to_float32(array.words)
+    elif isinstance(array, np.ndarray) and array.dtype in FLOAT_DTYPES:
+        values = array.astype(np.float32, copy=False)
+    else:
+        raise BadRequest(
+            f"{name!r} must be float32, bfloat16 or float16, got {getattr(array, 'dtype', type(array))}"
+        )
+    if tuple(values.shape) != shape:
+        raise BadRequest(f"{name!r} must have shape {shape}, got {tuple(values.shape)}")
+    if not np.isfinite(values).all():
+        raise BadRequest(f"{name!r} holds NaN or infinite values")
+    return values

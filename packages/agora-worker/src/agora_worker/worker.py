@@ -1,0 +1,279 @@
+"""A worker: one replica of one stage, serving ``forward``, ``backward`` and ``forward_backward``.
+
+It shares one RPC port with its DHT node, announces itself under its stage, coalesces the
+requests of many trainers into microbatches on one compute thread, and steps its host-side
+optimizer whenever its stage has jointly processed a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from agora_core.config import RunConfig
+from agora_core.dht import DhtNode, Validators
+from agora_core.errors import BadRequest, StageMismatch
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
+from agora_core.schema import WorkerAnnouncement, register_validators
+from agora_worker import __version__
+from agora_worker.announce import Announcer
+from agora_worker.backend import StageBackend, pick_device
+from agora_worker.model import build_stage
+from agora_worker.optimizer import HostOptimizer, StepReport
+from agora_worker.progress import StageProgressTracker
+from agora_worker.runtime import Runtime
+from agora_worker.settings import WorkerSettings, batch_limits
+from agora_worker.tensors import activations, token_ids
+
+log = get_logger("worker")
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        run: RunConfig,
+        stage: int,
+        key: NodeKey,
+        listen: str = "127.0.0.1:0",
+        bootstrap: Sequence[str] = (),
+        advertise: str | None = None,
+        settings: WorkerSettings | None = None,
+        metrics: NodeMetrics | None = None,
+        link: LinkEmulator | None = None,
+    ):
+        if not 0 <= stage < run.model.n_stages:
+            raise ValueError(f"stage {stage} does not exist: the run has stages 0..{run.model.n_stages - 1}")
+        self.run = run
+        self.stage = stage
+        self.key = key
+        self.settings = settings or WorkerSettings()
+        self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
+        self.device = pick_device(self.settings.device)
+        self.module = build_stage(run, stage).to(self.device)
+        self.kind = self.module.kind
+        self.optimizer = HostOptimizer(
+            self.module, run.optimizer, clip_threshold=run.clipping.threshold(stage, run.model.n_stages)
+        )
+        self.max_batch, max_tokens = batch_limits(
+            self.settings, self.device, seq_len=run.model.seq_len, bytes_per_token=_activation_bytes(run)
+        )
+        self.runtime = Runtime(
+            StageBackend(self.module, self.optimizer, self.device),
+            max_batch_samples=self.max_batch,
+            max_batch_tokens=max_tokens,
+            metrics=self.metrics,
+        )
+        rpc = RpcConfig.from_transport(run.transport)
+        self.server = RpcServer(
+            listen=listen, config=rpc, link=link, metrics=self.metrics, node_id=key.node_id
+        )
+        self.client = RpcClient(config=rpc, link=link, metrics=self.metrics, node_id=key.node_id)
+        validators = Validators()
+        register_validators(validators, run.name)
+        self.dht = DhtNode(
+            key=key,
+            config=run.dht,
+            bootstrap=bootstrap,
+            advertise=advertise,
+            server=self.server,
+            client=self.client,
+            metrics=self.metrics,
+            validators=validators,
+        )
+        for method, handler in (
+            ("forward", self._on_forward),
+            ("backward", self._on_backward),
+            ("forward_backward", self._on_forward_backward),
+            ("worker.info", self._on_info),
+        ):
+            self.server.register(method, handler)
+        self.progress = StageProgressTracker(
+            dht=self.dht,
+            key=key,
+            run=run.name,
+            stage=stage,
+            target_batch_size=run.optimizer.target_batch_size,
+            interval_s=self.settings.progress_interval_s,
+            local=lambda: (self.optimizer.step, self.optimizer.samples),
+            take_step=self.take_step,
+        )
+        self.announcer = Announcer(
+            dht=self.dht,
+            key=key,
+            run=run.name,
+            stage=stage,
+            interval_s=self.settings.announce_interval_s,
+            describe=self.describe,
+        )
+        self._tasks: list[asyncio.Task] = []
+        self.address: str | None = None
+        self.last_step: StepReport | None = None
+        self._m_step = self.metrics.gauge("agora_worker_optimizer_step", "Optimizer steps taken.")
+        self._m_norm = self.metrics.gauge(
+            "agora_worker_grad_norm", "Gradient norm before clipping, last step."
+        )
+        self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        await self.server.start()
+        self.address = await self.dht.start()
+        self.runtime.start()
+        await self.announcer.announce()  # visible to trainers before the first refresh
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self.progress.run(), name="worker-progress"),
+            loop.create_task(self.announcer.run(), name="worker-announce"),
+        ]
+        log.info(
+            "worker_started",
+            stage=self.stage,
+            kind=self.kind,
+            address=self.address,
+            device=str(self.device),
+            max_batch=self.max_batch,
+        )
+        return self.address
+
+    async def stop(self, *, grace_s: float | None = None) -> None:
+        """Withdraw, leave the DHT, finish in-flight requests (up to ``grace_s``), stop."""
+        grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.announcer.withdraw()
+        await self.dht.stop(leave=True)
+        await self.server.stop(grace_s=grace_s)
+        await asyncio.to_thread(self.runtime.stop)
+        await self.client.close()
+        log.info("worker_stopped", stage=self.stage, step=self.optimizer.step)
+
+    # --- stepping and describing -------------------------------------------------------------------
+
+    async def take_step(self) -> StepReport:
+        report = await asyncio.wrap_future(self.runtime.call(self.optimizer.apply))
+        self.last_step = report
+        self._m_step.set(report.step)
+        self._m_norm.set(report.grad_norm)
+        self._m_lr.set(report.lr)
+        log.info(
+            "optimizer_step",
+            stage=self.stage,
+            step=report.step,
+            samples=report.samples,
+            grad_norm=round(report.grad_norm, 4),
+            lr=report.lr,
+            applied=report.applied,
+        )
+        return report
+
+    def describe(self) -> WorkerAnnouncement:
+        runtime = self.runtime
+        throughput = runtime.samples_processed / runtime.compute_seconds if runtime.compute_seconds else 0.0
+        return WorkerAnnouncement(
+            node_id=self.key.node_id,
+            address=self.address or "",
+            stage=self.stage,
+            phase="serving",
+            throughput=throughput,
+            load=runtime.queued_samples,
+            max_batch=self.max_batch,
+            version=__version__,
+        )
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _check_stage(self, request: Request) -> dict:
+        tensors = request.tensors
+        stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
+        if stage != self.stage:
+            raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self.stage}")
+        return tensors
+
+    def _inputs(self, tensors: dict, *, boundary: bool, labels: bool = False, grad: bool = False) -> dict:
+        model = self.run.model
+        tokens = token_ids(
+            "tokens",
+            tensors.get("tokens"),
+            vocab_size=model.vocab_size,
+            max_batch=self.max_batch,
+            max_len=model.seq_len,
+        )
+        b, t = tokens.shape
+        shape = (b, t, self.module.boundary_width)
+        inputs = {"tokens": tokens}
+        if boundary:
+            inputs["boundary"] = activations("boundary", tensors.get("boundary"), shape=shape)
+        if grad:
+            inputs["grad"] = activations("grad", tensors.get("grad"), shape=shape)
+        if labels:
+            inputs["labels"] = token_ids(
+                "labels",
+                tensors.get("labels"),
+                vocab_size=model.vocab_size,
+                max_batch=self.max_batch,
+                max_len=model.seq_len,
+            )
+            if inputs["labels"].shape != tokens.shape:
+                raise BadRequest(f"labels must match tokens' shape {tuple(tokens.shape)}")
+        return inputs
+
+    async def _on_forward(self, request: Request) -> Payload:
+        tensors = self._check_stage(request)
+        if self.kind == "tail":
+            inputs = self._inputs(tensors, boundary=True, labels=True)
+            result = await self.runtime.submit("evaluate", inputs)
+            return Payload(tensors={"loss": result["loss"]})
+        inputs = self._inputs(tensors, boundary=self.kind != "head")
+        result = await self.runtime.submit("forward", inputs)
+        return Payload(tensors={"boundary": result["boundary"]})
+
+    async def _on_backward(self, request: Request) -> Payload:
+        tensors = self._check_stage(request)
+        if self.kind == "tail":
+            raise BadRequest("the tail trains with forward_backward, not backward")
+        inputs = self._inputs(tensors, boundary=self.kind != "head", grad=True)
+        result = await self.runtime.submit("backward", inputs)
+        return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
+
+    async def _on_forward_backward(self, request: Request) -> Payload:
+        tensors = self._check_stage(request)
+        if self.kind != "tail":
+            raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self.kind}")
+        inputs = self._inputs(tensors, boundary=True, labels=True)
+        result = await self.runtime.submit("forward_backward", inputs)
+        return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})
+
+    async def _on_info(self, request: Request) -> Payload:
+        runtime = self.runtime
+        return Payload(
+            {
+                "node_id": self.key.node_id,
+                "stage": self.stage,
+                "kind": self.kind,
+                "step": self.optimizer.step,
+                "samples": self.optimizer.samples,
+                "stage_samples": self.progress.stage_samples,
+                "queued": runtime.queued_samples,
+                "processed": runtime.samples_processed,
+                "recent_batch_sizes": list(runtime.batch_sizes),
+                "max_batch": self.max_batch,
+                "version": __version__,
+                "time": time.time(),
+            }
+        )
+
+
+def _activation_bytes(run: RunConfig) -> int:
+    """Rough activation bytes per token of one stage's recomputed forward + backward."""
+    model = run.model
+    layers = max(model.stage_layers)
+    return 4 * model.d_model * layers * int(8 + 2 * model.mlp_ratio)

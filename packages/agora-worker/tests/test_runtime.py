@@ -1,0 +1,125 @@
+"""The compute loop: older queue first, coalescing, a poisoned request failing alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from agora_core.testing import wait_until_async
+from agora_worker.runtime import Runtime
+
+
+class GatedBackend:
+    """Records the batches it runs; the first batch waits until the test opens the gate."""
+
+    kind = "body"
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[tuple[str, int]] = []
+
+    def _run(self, kind: str, tokens: torch.Tensor) -> None:
+        self.batches.append((kind, tokens.shape[0]))
+        self.started.set()
+        if not self.gate.wait(timeout=30):
+            raise TimeoutError("the test never opened the gate")
+        if bool((tokens == 13).any()):
+            raise RuntimeError("poisoned sample")
+
+    def forward(self, tokens, boundary):
+        self._run("forward", tokens)
+        return boundary * 2
+
+    def backward(self, tokens, boundary, grad):
+        self._run("backward", tokens)
+        return grad * 3
+
+
+def sample(value: int, t: int = 4) -> dict[str, np.ndarray]:
+    return {"tokens": np.full((1, t), value), "boundary": np.full((1, t, 2), float(value), dtype=np.float32)}
+
+
+@pytest.fixture
+def runtime():
+    backend = GatedBackend()
+    rt = Runtime(backend, max_batch_samples=8, max_batch_tokens=1000)
+    rt.start()
+    yield rt, backend
+    backend.gate.set()
+    rt.stop()
+
+
+async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime):
+    rt, backend = runtime
+    first = asyncio.create_task(rt.submit("forward", sample(1)))
+    await wait_until_async(backend.started.is_set, what="the first batch to start")
+    rest = [asyncio.create_task(rt.submit("forward", sample(v))) for v in range(2, 12)]
+    await wait_until_async(lambda: rt.queued_samples == 10, what="ten queued samples")
+    backend.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert [float(r["boundary"][0, 0, 0]) for r in results] == [2.0 * v for v in range(1, 12)]
+    assert [size for _kind, size in backend.batches] == [1, 8, 2]  # merged up to the maximum
+
+
+async def test_the_queue_with_the_older_request_is_served_first(runtime):
+    rt, backend = runtime
+    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    await wait_until_async(backend.started.is_set, what="the first batch to start")
+    older = asyncio.create_task(
+        rt.submit("backward", {**sample(2), "grad": np.ones((1, 4, 2), dtype=np.float32)})
+    )
+    await wait_until_async(lambda: rt.queued_samples == 1, what="the backward to queue")
+    newer = [asyncio.create_task(rt.submit("forward", sample(3))) for _ in range(3)]
+    await wait_until_async(lambda: rt.queued_samples == 4, what="the forwards to queue")
+    backend.gate.set()
+    await asyncio.gather(blocker, older, *newer)
+    assert [kind for kind, _size in backend.batches] == ["forward", "backward", "forward"]
+
+
+async def test_only_requests_of_one_kind_and_length_share_a_batch(runtime):
+    rt, backend = runtime
+    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    await wait_until_async(backend.started.is_set, what="the first batch to start")
+    tasks = [asyncio.create_task(rt.submit("forward", sample(2, t=4 if i % 2 else 6))) for i in range(6)]
+    await wait_until_async(lambda: rt.queued_samples == 6, what="six queued")
+    backend.gate.set()
+    await asyncio.gather(blocker, *tasks)
+    assert sorted(size for _kind, size in backend.batches[1:]) == [3, 3]
+
+
+async def test_a_poisoned_request_fails_alone(runtime):
+    rt, backend = runtime
+    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    await wait_until_async(backend.started.is_set, what="the first batch to start")
+    tasks = [asyncio.create_task(rt.submit("forward", sample(v))) for v in (10, 13, 11)]
+    await wait_until_async(lambda: rt.queued_samples == 3, what="three queued")
+    backend.gate.set()
+    results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
+    assert isinstance(results[2], RuntimeError) and "poisoned" in str(results[2])
+    assert float(results[1]["boundary"][0, 0, 0]) == 20.0 and float(results[3]["boundary"][0, 0, 0]) == 22.0
+
+
+async def test_abandoned_requests_are_not_computed(runtime):
+    rt, backend = runtime
+    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    await wait_until_async(backend.started.is_set, what="the first batch to start")
+    doomed = asyncio.create_task(rt.submit("forward", sample(5)))
+    kept = asyncio.create_task(rt.submit("forward", sample(6)))
+    await wait_until_async(lambda: rt.queued_samples == 2, what="two queued")
+    doomed.cancel()  # the caller's deadline passed
+    await asyncio.gather(doomed, return_exceptions=True)
+    backend.gate.set()
+    await asyncio.gather(blocker, kept)
+    assert [size for _kind, size in backend.batches] == [1, 1]
+
+
+async def test_control_work_runs_between_batches_on_the_compute_thread(runtime):
+    rt, backend = runtime
+    backend.gate.set()
+    thread = await asyncio.wrap_future(rt.call(lambda: threading.current_thread().name))
+    assert thread == "agora-compute"

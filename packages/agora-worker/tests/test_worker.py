@@ -1,0 +1,234 @@
+"""Workers on real sockets: serving a pipeline, rejecting bad requests, stepping together,
+announcing and withdrawing themselves in the DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from agora_core.config import RunConfig, SurrogateConfig
+from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
+from agora_core.dht import DhtNode
+from agora_core.errors import BadRequest, StageMismatch
+from agora_core.identity import NodeKey
+from agora_core.rpc import RpcClient
+from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_core.testing import spawn_python, wait_until_async
+from agora_worker.model import build_stage
+from agora_worker.settings import WorkerSettings
+from agora_worker.worker import Worker
+
+DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)
+MODEL = ModelConfig(
+    d_model=32, n_heads=2, mlp_ratio=2.0, subspace_rank=4, vocab_size=256, seq_len=8, stage_layers=(1, 1, 1)
+)
+RUN = RunConfig(name="t", seed=3, model=MODEL, dht=DHT, optimizer=OptimizerConfig(target_batch_size=8))
+FAST = WorkerSettings(
+    device="cpu", max_batch_samples=16, progress_interval_s=0.05, announce_interval_s=0.2, shutdown_grace_s=5
+)
+
+
+@pytest.fixture
+async def seed():
+    node = DhtNode(key=NodeKey.generate(), config=DHT)
+    await node.start()
+    yield node
+    await node.stop()
+
+
+@pytest.fixture
+async def workers(seed):
+    started: list[Worker] = []
+
+    async def make(stage: int, run: RunConfig = RUN) -> Worker:
+        worker = Worker(run=run, stage=stage, key=NodeKey.generate(), bootstrap=[seed.address], settings=FAST)
+        started.append(worker)
+        await worker.start()
+        return worker
+
+    yield make
+    await asyncio.gather(*(w.stop(grace_s=1) for w in started), return_exceptions=True)
+
+
+@pytest.fixture
+async def client():
+    cli = RpcClient()
+    yield cli
+    await cli.close()
+
+
+def sample(b: int = 1, t: int = 8, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (b, t), dtype=np.int64), rng.integers(0, 256, (b, t), dtype=np.int64)
+
+
+async def test_a_pipeline_of_workers_trains_one_sample_like_the_local_modules(workers, client):
+    pipeline = [await workers(s) for s in range(3)]
+    reference = [build_stage(RUN, s) for s in range(3)]  # the same initial weights
+    tokens, labels = sample(b=2)
+    head = await client.call(pipeline[0].address, "forward", {"stage": 0}, {"tokens": tokens})
+    body = await client.call(
+        pipeline[1].address, "forward", {"stage": 1}, {"tokens": tokens, "boundary": head.tensors["boundary"]}
+    )
+    tail = await client.call(
+        pipeline[2].address,
+        "forward_backward",
+        {"stage": 2},
+        {"tokens": tokens, "boundary": body.tensors["boundary"], "labels": labels},
+    )
+    evaluated = await client.call(
+        pipeline[2].address,
+        "forward",
+        {"stage": 2},
+        {"tokens": tokens, "boundary": body.tensors["boundary"], "labels": labels},
+    )
+    # the tail's forward_backward is its forward plus its backward, in one request
+    t = torch.from_numpy(tokens)
+    x = torch.from_numpy(np.array(body.tensors["boundary"])).requires_grad_(True)
+    losses = reference[2](t, x, torch.from_numpy(labels))
+    losses.sum().backward()
+    np.testing.assert_allclose(tail.tensors["loss"], losses.detach().numpy(), rtol=1e-5)
+    np.testing.assert_allclose(evaluated.tensors["loss"], tail.tensors["loss"], rtol=1e-6)
+    np.testing.assert_allclose(tail.tensors["grad"], x.grad.numpy(), rtol=1e-4, atol=1e-8)
+    back = await client.call(
+        pipeline[1].address,
+        "backward",
+        {"stage": 1},
+        {"tokens": tokens, "boundary": head.tensors["boundary"], "grad": tail.tensors["grad"]},
+    )
+    assert back.tensors["grad"].shape == (2, 8, MODEL.subspace_rank)
+    done = await client.call(
+        pipeline[0].address, "backward", {"stage": 0}, {"tokens": tokens, "grad": back.tensors["grad"]}
+    )
+    assert done.tensors == {}  # the head's backward returns nothing
+    infos = [(await client.call(w.address, "worker.info")).meta for w in pipeline]
+    assert [i["samples"] for i in infos] == [2, 2, 2]  # each stage counted the samples it trained
+
+
+async def test_bad_requests_get_clear_errors_and_the_worker_keeps_serving(workers, client):
+    body = await workers(1)
+    tokens, _ = sample()
+    boundary = np.zeros((1, 8, MODEL.subspace_rank), dtype=np.float32)
+    cases = [
+        (
+            StageMismatch,
+            "stage 2 reached a worker of stage 1",
+            {"stage": 2},
+            {"tokens": tokens, "boundary": boundary},
+        ),
+        (BadRequest, "shape", {"stage": 1}, {"tokens": tokens, "boundary": boundary[:, :, :2]}),
+        (BadRequest, "float32", {"stage": 1}, {"tokens": tokens, "boundary": boundary.astype(np.int32)}),
+        (
+            BadRequest,
+            "int32 or int64",
+            {"stage": 1},
+            {"tokens": tokens.astype(np.float32), "boundary": boundary},
+        ),
+        (BadRequest, "outside", {"stage": 1}, {"tokens": tokens + 1000, "boundary": boundary}),
+        (BadRequest, "NaN", {"stage": 1}, {"tokens": tokens, "boundary": boundary + np.nan}),
+        (BadRequest, "missing tensor 'boundary'", {"stage": 1}, {"tokens": tokens}),
+        (
+            BadRequest,
+            "shape",
+            {"stage": 1},
+            {"tokens": np.zeros((1, 99), dtype=np.int64), "boundary": boundary},
+        ),
+    ]
+    for error, message, meta, tensors in cases:
+        with pytest.raises(error, match=message):
+            await client.call(body.address, "forward", meta, tensors)
+    with pytest.raises(BadRequest, match="served by the tail"):
+        await client.call(
+            body.address, "forward_backward", {"stage": 1}, {"tokens": tokens, "boundary": boundary}
+        )
+    ok = await client.call(body.address, "forward", {"stage": 1}, {"tokens": tokens, "boundary": boundary})
+    assert ok.tensors["boundary"].shape == (1, 8, MODEL.subspace_rank)
+
+
+async def test_concurrent_single_sample_requests_are_coalesced(workers, client):
+    head = await workers(0)
+    calls = [
+        client.call(head.address, "forward", {"stage": 0}, {"tokens": sample(seed=i)[0]}) for i in range(32)
+    ]
+    replies = await asyncio.gather(*calls)
+    assert all(r.tensors["boundary"].shape == (1, 8, MODEL.subspace_rank) for r in replies)
+    info = (await client.call(head.address, "worker.info")).meta
+    assert max(info["recent_batch_sizes"]) > 1
+
+
+SURROGATE = dataclasses.replace(
+    RUN, model=dataclasses.replace(MODEL, kind="surrogate", surrogate=SurrogateConfig())
+)
+
+
+async def test_two_workers_of_a_stage_step_together_when_their_count_reaches_the_target(workers, client):
+    a, b = await workers(1, SURROGATE), await workers(1, SURROGATE)
+    boundary = np.zeros((1, 8, MODEL.subspace_rank), dtype=np.float32)
+
+    async def train(worker: Worker, samples: int, offset: int) -> None:
+        for i in range(samples):
+            tokens, _ = sample(seed=offset + i)
+            await client.call(
+                worker.address,
+                "backward",
+                {"stage": 1},
+                {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
+            )
+
+    await train(a, 5, 0)
+    await train(b, 2, 100)  # 7 of 8: nobody steps yet
+    await wait_until_async(
+        lambda: a.progress.stage_samples == 7 and b.progress.stage_samples == 7, what="both to see 7 samples"
+    )
+    assert a.optimizer.step == b.optimizer.step == 0
+    await train(b, 1, 200)  # the 8th sample: the stage holds a batch
+    await wait_until_async(
+        lambda: a.optimizer.step == 1 and b.optimizer.step == 1, what="both to step", timeout_s=10
+    )
+    assert a.last_step.samples == 5 and b.last_step.samples == 3
+    assert a.last_step.applied and b.last_step.applied
+
+
+async def test_announcement_appears_and_is_withdrawn_on_clean_shutdown(workers, seed):
+    worker = await workers(2)
+    key = stage_workers_key(RUN.name, 2)
+    found = await seed.get(key)
+    announcement = WorkerAnnouncement.from_value(next(iter(found.values())).value)
+    assert announcement.address == worker.address and announcement.phase == "serving"
+    assert announcement.stage == 2 and announcement.max_batch == 16
+    await worker.stop(grace_s=1)
+    assert await seed.get(key) == {}  # withdrawn at once, not left to expire
+
+
+def test_worker_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'name = "cli"\n[model]\nkind = "surrogate"\nd_model = 32\nn_heads = 2\nsubspace_rank = 4\n'
+        "seq_len = 8\nstage_layers = [1, 1]\n[dht]\ngossip_period_s = 0.2\nprobe_timeout_s = 0.1\n"
+    )
+    command = [
+        "-m",
+        "agora_worker",
+        "run",
+        "--config",
+        str(config),
+        "--stage",
+        "0",
+        "--key-file",
+        str(tmp_path / "k"),
+        "--device",
+        "cpu",
+        "--log-format",
+        "json",
+    ]
+    with spawn_python(command) as child:
+        address = child.read_until("  serving    ")
+        assert address.startswith("tcp://127.0.0.1:")
+        child.proc.send_signal(signal.SIGTERM)
+        code = child.proc.wait(timeout=20)
+        assert code == 0  # a clean exit: withdrew, left the DHT, drained, stopped

@@ -7,10 +7,10 @@ and vanishes from the stage within one expiry; a worker that stops cleanly withd
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
-from agora_core.dht import DhtError, DhtNode, owned_subkey
+from agora_core.dht import DhtError, DhtNode
+from agora_core.dht.owned import OwnedEntry
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
@@ -30,17 +30,13 @@ class Announcer:
         interval_s: float,
         describe: Callable[[], WorkerAnnouncement],
     ):
-        self._dht = dht
-        self._key = key
-        self._dht_key = stage_workers_key(run, stage)
-        self._subkey = owned_subkey(key.public_key)
+        self._entry = OwnedEntry(dht, key, stage_workers_key(run, stage))
         self._interval_s = interval_s
         self._describe = describe
         self.ttl_s = 3 * interval_s  # gone within three missed refreshes
 
     async def announce(self) -> None:
-        value = self._describe().to_value()
-        await self._dht.store(self._dht_key, self._subkey, value, time.time() + self.ttl_s, signer=self._key)
+        await self._entry.publish(self._describe().to_value(), self.ttl_s)
 
     async def run(self) -> None:
         while True:
@@ -53,6 +49,6 @@ class Announcer:
     async def withdraw(self) -> None:
         """Remove the announcement now (a clean shutdown)."""
         try:
-            await self._dht.delete(self._dht_key, self._subkey, signer=self._key)
+            await self._entry.withdraw()
         except (DhtError, RpcError) as exc:
             log.warning("withdraw_failed", error=str(exc))

@@ -10,10 +10,10 @@ the DHT shows, and a worker that missed the moment catches up as soon as it sees
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
-from agora_core.dht import DhtError, DhtNode, owned_subkey
+from agora_core.dht import DhtError, DhtNode
+from agora_core.dht.owned import OwnedEntry
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
@@ -36,10 +36,8 @@ class StageProgressTracker:
         take_step: Callable[[], Awaitable[object]],
     ):
         """``local()`` gives this worker's (step, accumulated samples); ``take_step()`` steps."""
-        self._dht = dht
         self._key = key
-        self._dht_key = stage_progress_key(run, stage)
-        self._subkey = owned_subkey(key.public_key)
+        self._entry = OwnedEntry(dht, key, stage_progress_key(run, stage))
         self._target = target_batch_size
         self._interval_s = interval_s
         self._local = local
@@ -59,12 +57,11 @@ class StageProgressTracker:
     async def publish(self) -> None:
         step, samples = self._local()
         report = StageProgress(node_id=self._key.node_id, step=step, samples=samples)
-        expiration = time.time() + max(10 * self._interval_s, 5.0)
-        await self._dht.store(self._dht_key, self._subkey, report.to_value(), expiration, signer=self._key)
+        await self._entry.publish(report.to_value(), max(10 * self._interval_s, 5.0))
 
     async def read(self) -> list[StageProgress]:
         reports = []
-        for value in (await self._dht.get(self._dht_key)).values():
+        for value in (await self._entry.read_all()).values():
             try:
                 reports.append(StageProgress.from_value(value.value))
             except Exception:

@@ -1,0 +1,31 @@
+"""A node's own signed entry under a shared DHT key (announcements, progress reports)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agora_core.dht.node import DhtNode, DhtValue
+from agora_core.dht.records import owned_subkey
+from agora_core.identity import NodeKey
+
+
+class OwnedEntry:
+    """The subkey only ``key``'s holder can write under ``dht_key``: publish, read, withdraw."""
+
+    def __init__(self, dht: DhtNode, key: NodeKey, dht_key: str):
+        self.dht = dht
+        self.key = key
+        self.dht_key = dht_key
+        self.subkey = owned_subkey(key.public_key)
+
+    async def publish(self, value: Any, ttl_s: float) -> int:
+        """Store ``value`` for ``ttl_s`` seconds; returns how many replicas took it."""
+        return await self.dht.store(self.dht_key, self.subkey, value, time.time() + ttl_s, signer=self.key)
+
+    async def read_all(self) -> dict[str, DhtValue]:
+        """Every writer's entry under the key, this one's included."""
+        return await self.dht.get(self.dht_key)
+
+    async def withdraw(self) -> int:
+        return await self.dht.delete(self.dht_key, self.subkey, signer=self.key)

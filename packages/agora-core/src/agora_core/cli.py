@@ -147,7 +147,8 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
         else:
             click.echo(f"serving for {duration_s:g} s (Ctrl-C stops earlier)")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(duration_s, 0.0))
+                async with asyncio.timeout(max(duration_s, 0.0)):
+                    await stop.wait()
     finally:
         await server.stop(grace_s=2.0)
         if endpoint is not None:
@@ -223,7 +224,8 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
             if duration_s is not None:
                 wait = min(wait, max(0.0, started + duration_s - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await stop.wait()
             now = time.monotonic()
             ops = node.ops_done
             traffic = node.traffic()

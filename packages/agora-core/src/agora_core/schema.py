@@ -1,8 +1,8 @@
 """What the roles of a run tell each other through the DHT: key names and value schemas.
 
 Workers announce themselves and their stage's progress; trainers read the announcements to
-route work. Both sides import this module (trainers without torch), and every DHT node can
-enforce the schemas on receive with :func:`register_validators`.
+route work and report their own progress. Every role imports this module (trainers without
+torch), and every DHT node can enforce the schemas on receive with :func:`register_validators`.
 """
 
 from __future__ import annotations
@@ -95,6 +95,48 @@ class StageProgress:
         return progress
 
 
+def trainer_progress_key(run: str) -> str:
+    """Where trainers report their progress (one owned subkey each)."""
+    return f"{run}/trainers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerProgress:
+    """A trainer's entry under :func:`trainer_progress_key`."""
+
+    node_id: str
+    loss_ema: float | None  # None until the first sample completes
+    loss_last: float | None
+    samples: int  # completed, since the trainer started
+    tokens: int
+    lanes: int
+
+    def to_value(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> TrainerProgress:
+        if not isinstance(value, dict):
+            raise RecordRejected("a trainer progress report must be a map")
+        losses = []
+        for name in ("loss_ema", "loss_last"):
+            loss = value.get(name)
+            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+                raise RecordRejected(f"field {name!r} must be a number or nil")
+            losses.append(None if loss is None else float(loss))
+        progress = cls(
+            node_id=_field(value, "node_id", str),
+            loss_ema=losses[0],
+            loss_last=losses[1],
+            samples=_field(value, "samples", int),
+            tokens=_field(value, "tokens", int),
+            lanes=_field(value, "lanes", int),
+        )
+        if progress.samples < 0 or progress.tokens < 0 or progress.lanes < 0:
+            raise RecordRejected("samples, tokens and lanes must be non-negative")
+        return progress
+
+
 def register_validators(validators: Validators, run: str) -> None:
     """Make a DHT node refuse malformed announcements and progress reports of ``run``."""
 
@@ -105,3 +147,6 @@ def register_validators(validators: Validators, run: str) -> None:
             StageProgress.from_value(value)
 
     validators.register(f"{run}/stage/", check)
+    validators.register(
+        trainer_progress_key(run), lambda key, subkey, value: TrainerProgress.from_value(value)
+    )

@@ -66,6 +66,12 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     "--progress-interval", "progress_interval_s", type=float, help="Seconds between stage-progress checks."
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
+@click.option(
+    "--surrogate-delay-scale",
+    "surrogate_delay_scale",
+    type=float,
+    help="Surrogate stages only: multiply the injected delays (a slower node).",
+)
 def run(
     config_file,
     stage,
@@ -75,6 +81,7 @@ def run(
     max_batch_tokens,
     progress_interval_s,
     announce_interval_s,
+    surrogate_delay_scale,
     **options,
 ) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
@@ -87,6 +94,7 @@ def run(
             "max_batch_tokens": max_batch_tokens,
             "progress_interval_s": progress_interval_s,
             "announce_interval_s": announce_interval_s,
+            "surrogate_delay_scale": surrogate_delay_scale,
         }
         settings = WorkerSettings(**{k: v for k, v in worker_settings.items() if v is not None})
     except ConfigError as exc:

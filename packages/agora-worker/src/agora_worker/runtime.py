@@ -84,6 +84,7 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.samples_processed = 0
+        self.samples_by_kind: collections.Counter[str] = collections.Counter()
         self.compute_seconds = 0.0
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # recent, for tests/tools
         metrics = metrics or NodeMetrics(role="worker")
@@ -215,6 +216,7 @@ class Runtime:
         elapsed = time.monotonic() - started
         samples = sum(task.samples for task in batch)
         self.samples_processed += samples
+        self.samples_by_kind[batch[0].kind] += samples
         self.compute_seconds += elapsed
         self.batch_sizes.append(samples)
         self._m_compute.labels(kind=batch[0].kind).observe(elapsed)

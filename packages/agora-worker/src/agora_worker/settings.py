@@ -20,6 +20,7 @@ class WorkerSettings:
     progress_interval_s: float = 1.0  # how often stage progress is published and read
     announce_interval_s: float = 2.0  # how often the announcement is refreshed (expiry: 3x)
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
+    surrogate_delay_scale: float = 1.0  # surrogate stages only: this node is this much slower
 
     def __post_init__(self) -> None:
         require(
@@ -28,7 +29,12 @@ class WorkerSettings:
         require(
             self.max_batch_tokens is None or self.max_batch_tokens >= 1, "max_batch_tokens", "must be >= 1"
         )
-        for name in ("progress_interval_s", "announce_interval_s", "shutdown_grace_s"):
+        for name in (
+            "progress_interval_s",
+            "announce_interval_s",
+            "shutdown_grace_s",
+            "surrogate_delay_scale",
+        ):
             require(getattr(self, name) > 0, name, "must be positive")
 
 

@@ -12,14 +12,14 @@ import time
 from collections.abc import Sequence
 
 from agora_core.config import RunConfig
-from agora_core.dht import DhtNode, Validators
 from agora_core.errors import BadRequest, StageMismatch
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
-from agora_core.schema import WorkerAnnouncement, register_validators
+from agora_core.rpc import Payload, Request
+from agora_core.run_node import RunNode
+from agora_core.schema import WorkerAnnouncement
 from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.backend import StageBackend, pick_device
@@ -55,7 +55,7 @@ class Worker:
         self.settings = settings or WorkerSettings()
         self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
         self.device = pick_device(self.settings.device)
-        self.module = build_stage(run, stage).to(self.device)
+        self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
         self.kind = self.module.kind
         self.optimizer = HostOptimizer(
             self.module, run.optimizer, clip_threshold=run.clipping.threshold(stage, run.model.n_stages)
@@ -69,23 +69,16 @@ class Worker:
             max_batch_tokens=max_tokens,
             metrics=self.metrics,
         )
-        rpc = RpcConfig.from_transport(run.transport)
-        self.server = RpcServer(
-            listen=listen, config=rpc, link=link, metrics=self.metrics, node_id=key.node_id
-        )
-        self.client = RpcClient(config=rpc, link=link, metrics=self.metrics, node_id=key.node_id)
-        validators = Validators()
-        register_validators(validators, run.name)
-        self.dht = DhtNode(
+        self.node = RunNode(
+            run=run,
             key=key,
-            config=run.dht,
+            metrics=self.metrics,
+            listen=listen,
             bootstrap=bootstrap,
             advertise=advertise,
-            server=self.server,
-            client=self.client,
-            metrics=self.metrics,
-            validators=validators,
+            link=link,
         )
+        self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         for method, handler in (
             ("forward", self._on_forward),
             ("backward", self._on_backward),
@@ -123,8 +116,7 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        await self.server.start()
-        self.address = await self.dht.start()
+        self.address = await self.node.start()
         self.runtime.start()
         await self.announcer.announce()  # visible to trainers before the first refresh
         loop = asyncio.get_running_loop()
@@ -150,10 +142,8 @@ class Worker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.announcer.withdraw()
-        await self.dht.stop(leave=True)
-        await self.server.stop(grace_s=grace_s)
+        await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
         await asyncio.to_thread(self.runtime.stop)
-        await self.client.close()
         log.info("worker_stopped", stage=self.stage, step=self.optimizer.step)
 
     # --- stepping and describing -------------------------------------------------------------------
@@ -264,6 +254,7 @@ class Worker:
                 "stage_samples": self.progress.stage_samples,
                 "queued": runtime.queued_samples,
                 "processed": runtime.samples_processed,
+                "processed_by_kind": dict(runtime.samples_by_kind),
                 "recent_batch_sizes": list(runtime.batch_sizes),
                 "max_batch": self.max_batch,
                 "version": __version__,

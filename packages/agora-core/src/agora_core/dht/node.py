@@ -452,7 +452,8 @@ class DhtNode:
         tick = 0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), period)
+                async with asyncio.timeout(period):  # not wait_for: in 3.11 it can eat a cancel
+                    await self._changed.wait()
             changed = self._changed.is_set()
             self._changed.clear()
             tick += 1

@@ -191,7 +191,8 @@ class RpcClient:
         if not peer.settled.is_set():
             limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
             try:
-                await asyncio.wait_for(peer.settled.wait(), limit)
+                async with asyncio.timeout(limit):
+                    await peer.settled.wait()
             except TimeoutError:
                 error = PeerUnreachable(
                     f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"

@@ -92,7 +92,8 @@ class StreamChannel:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}")
         self._changed.clear()
         try:
-            await asyncio.wait_for(self._changed.wait(), remaining)
+            async with asyncio.timeout(remaining):
+                await self._changed.wait()
         except TimeoutError:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}") from None
 
@@ -183,6 +184,7 @@ class ClientStream(StreamChannel):
     async def result(self) -> Payload:
         remaining = self._deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.shield(self._result), max(remaining, 0))
+            async with asyncio.timeout(max(remaining, 0)):
+                return await asyncio.shield(self._result)
         except TimeoutError:
             raise DeadlineExceeded(f"stream {self.method!r}: no final reply by the deadline") from None

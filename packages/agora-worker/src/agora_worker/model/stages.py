@@ -115,10 +115,11 @@ class ComposedModel(nn.Module):
         return per_sample_loss(self.stages[-1].logits(x), labels)
 
 
-def build_stage(run: RunConfig, stage: int) -> nn.Module:
-    """The module of ``stage`` with the run's initial weights (identical on every replica)."""
+def build_stage(run: RunConfig, stage: int, *, delay_scale: float = 1.0) -> nn.Module:
+    """The module of ``stage`` with the run's initial weights (identical on every replica).
+    ``delay_scale`` makes a surrogate stage that much slower (heterogeneous test swarms)."""
     if run.model.kind == "surrogate":
         from agora_worker.model.surrogate import SurrogateStage
 
-        return SurrogateStage(run.model, run.seed, stage)
+        return SurrogateStage(run.model, run.seed, stage, delay_scale=delay_scale)
     return TransformerStage(run.model, run.seed, stage)

@@ -19,8 +19,9 @@ from agora_worker.model.stages import per_sample_loss, stage_kind
 
 
 class SurrogateStage(nn.Module):
-    def __init__(self, config: ModelConfig, seed: int, stage: int):
+    def __init__(self, config: ModelConfig, seed: int, stage: int, *, delay_scale: float = 1.0):
         super().__init__()
+        self.delay_scale = delay_scale
         self.config = config
         self.stage = stage
         self.kind = stage_kind(stage, config.n_stages)
@@ -53,4 +54,6 @@ class SurrogateStage(nn.Module):
     def delay(self, phase: str, samples: int) -> None:
         per_sample = self.surrogate.forward_delay_s if phase == "forward" else self.surrogate.backward_delay_s
         if per_sample > 0:
-            time.sleep(per_sample * samples)  # stands in for compute: this is the compute thread
+            time.sleep(
+                per_sample * self.delay_scale * samples
+            )  # stands in for compute: this is the compute thread

@@ -1,0 +1,58 @@
+"""The networking every role of a run shares: one RPC port, a client, and a DHT membership.
+
+Workers, trainers and (later) the authorizer and monitor each hold one :class:`RunNode`: their
+own RPC methods and the DHT's are served on the same port, and the DHT enforces the run's
+value schemas (``agora_core.schema``) on everything it stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agora_core.config import RunConfig
+from agora_core.dht import DhtNode, Validators
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import RpcClient, RpcConfig, RpcServer
+from agora_core.schema import register_validators
+
+
+class RunNode:
+    def __init__(
+        self,
+        *,
+        run: RunConfig,
+        key: NodeKey,
+        metrics: NodeMetrics,
+        listen: str = "127.0.0.1:0",
+        bootstrap: Sequence[str] = (),
+        advertise: str | None = None,
+        link: LinkEmulator | None = None,
+    ):
+        rpc = RpcConfig.from_transport(run.transport)
+        self.server = RpcServer(listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id)
+        self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
+        validators = Validators()
+        register_validators(validators, run.name)
+        self.dht = DhtNode(
+            key=key,
+            config=run.dht,
+            bootstrap=bootstrap,
+            advertise=advertise,
+            server=self.server,
+            client=self.client,
+            metrics=metrics,
+            validators=validators,
+        )
+
+    async def start(self) -> str:
+        """Serve, then join the run's DHT; returns the address others reach this node at."""
+        await self.server.start()
+        return await self.dht.start()
+
+    async def stop(self, *, grace_s: float = 0.0) -> None:
+        """Leave the DHT, let in-flight requests finish (up to ``grace_s``), close."""
+        await self.dht.stop(leave=True)
+        await self.server.stop(grace_s=grace_s)
+        await self.client.close()

@@ -1,0 +1,182 @@
+"""Per-stage load balancing: a min-heap of workers keyed by virtual runtime.
+
+Choosing a worker charges it the task's estimated cost up front (task size / its measured
+throughput), so a slower worker is charged more per sample and receives proportionally fewer.
+Each completed call updates the worker's throughput estimate by Little's law: the calls this
+trainer had in flight at that worker, over the call's duration. A worker that merges four
+requests into one batch is credited with four samples per batch time, not one. A newly discovered worker enters
+level with the most-loaded one (not at zero, which would flood it); a worker that failed is
+banned for a while; workers in weight sync are invisible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from agora_core.schema import WorkerAnnouncement
+
+THROUGHPUT_EMA = 0.2  # weight of the newest measurement
+DEFAULT_THROUGHPUT = 10.0  # samples/s assumed for a worker nothing is known about yet
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """How to reach one worker: what a lane keeps to pin a sample's backward to it."""
+
+    node_id: str
+    address: str
+    stage: int
+
+
+@dataclass(eq=False)
+class CallToken:
+    """One call in flight to a worker, and the most calls of ours it overlapped there."""
+
+    node_id: str
+    peak: int = 1
+
+
+@dataclass(eq=False)
+class _Entry:
+    ref: WorkerRef
+    vruntime: float
+    throughput: float  # samples per second, measured end to end
+    phase: str = "serving"
+    banned_until: float = 0.0
+    seq: int = 0  # which heap entry is current (older ones are stale)
+    dispatched: int = 0
+    completed: int = 0
+    active: set[CallToken] = field(default_factory=set)  # this trainer's calls to it, now
+    failures: int = 0
+    measured: bool = False
+
+
+@dataclass
+class StageBalancer:
+    stage: int
+    ban_s: float = 10.0
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _heap: list[tuple[float, int, str]] = field(default_factory=list)
+    _counter: itertools.count = field(default_factory=itertools.count)
+    bans: int = 0
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def update(self, announcements: list[WorkerAnnouncement]) -> None:
+        """Make the known workers exactly those announced (new ones enter at the max vruntime)."""
+        seen = set()
+        for ann in announcements:
+            if ann.stage != self.stage:
+                continue
+            seen.add(ann.node_id)
+            entry = self._entries.get(ann.node_id)
+            if entry is None:
+                level = max((e.vruntime for e in self._entries.values()), default=0.0)
+                entry = _Entry(
+                    WorkerRef(ann.node_id, ann.address, self.stage), level, ann.throughput or self._typical()
+                )
+                self._entries[ann.node_id] = entry
+                self._push(entry)
+            elif entry.ref.address != ann.address:  # restarted elsewhere: same identity, new address
+                entry.ref = WorkerRef(ann.node_id, ann.address, self.stage)
+            entry.phase = ann.phase
+        for node_id in [n for n in self._entries if n not in seen]:
+            del self._entries[node_id]  # its heap entries go stale and are skipped
+
+    def _typical(self) -> float:
+        known = [e.throughput for e in self._entries.values() if e.measured]
+        return sorted(known)[len(known) // 2] if known else DEFAULT_THROUGHPUT
+
+    def _push(self, entry: _Entry) -> None:
+        entry.seq = next(self._counter)
+        heapq.heappush(self._heap, (entry.vruntime, entry.seq, entry.ref.node_id))
+
+    def usable(self, node_id: str, now: float | None = None) -> bool:
+        entry = self._entries.get(node_id)
+        now = time.monotonic() if now is None else now
+        return entry is not None and entry.phase != "weight_sync" and entry.banned_until <= now
+
+    def banned(self, node_id: str) -> bool:
+        entry = self._entries.get(node_id)
+        return entry is not None and entry.banned_until > time.monotonic()
+
+    @property
+    def workers(self) -> list[WorkerRef]:
+        now = time.monotonic()
+        return [e.ref for e in self._entries.values() if self.usable(e.ref.node_id, now)]
+
+    # --- dispatch ----------------------------------------------------------------------------
+
+    def choose(self, samples: int = 1, exclude: frozenset[str] = frozenset()) -> WorkerRef | None:
+        """The least-loaded usable worker, charged ``samples`` up front; None if there is none."""
+        now = time.monotonic()
+        skipped: list[tuple[float, int, str]] = []
+        chosen = None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            entry = self._entries.get(item[2])
+            if entry is None or entry.seq != item[1]:
+                continue  # stale: the worker left, or it was re-pushed since
+            if not self.usable(entry.ref.node_id, now) or entry.ref.node_id in exclude:
+                skipped.append(item)
+                continue
+            chosen = entry
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        if chosen is None:
+            return None
+        chosen.vruntime += samples / chosen.throughput
+        chosen.dispatched += samples
+        self._push(chosen)
+        return chosen.ref
+
+    def begin(self, ref: WorkerRef) -> CallToken:
+        """A call to ``ref`` starts. The token remembers the most calls of ours it overlapped."""
+        token = CallToken(ref.node_id)
+        entry = self._entries.get(ref.node_id)
+        if entry is not None:
+            entry.active.add(token)
+            for active in entry.active:
+                active.peak = max(active.peak, len(entry.active))
+        return token
+
+    def complete(self, token: CallToken, samples: int, seconds: float) -> None:
+        """A call finished: fold the worker's observed throughput into its estimate."""
+        entry = self._entries.get(token.node_id)
+        if entry is None:
+            return
+        entry.active.discard(token)
+        entry.completed += samples
+        if seconds <= 0:
+            return
+        # Little's law: the calls it served alongside this one, over this one's time.
+        measured = samples * token.peak / seconds
+        if entry.measured:
+            measured = (1 - THROUGHPUT_EMA) * entry.throughput + THROUGHPUT_EMA * measured
+        entry.throughput = measured
+        entry.measured = True
+
+    def fail(self, token: CallToken) -> None:
+        """A call failed: keep its worker out of rotation for ``ban_s``."""
+        entry = self._entries.get(token.node_id)
+        if entry is not None:
+            entry.active.discard(token)
+            entry.banned_until = time.monotonic() + self.ban_s
+            entry.failures += 1
+            self.bans += 1
+
+    def stats(self) -> dict[str, dict]:
+        return {
+            node_id: {
+                "dispatched": e.dispatched,
+                "completed": e.completed,
+                "throughput": e.throughput,
+                "vruntime": e.vruntime,
+                "failures": e.failures,
+            }
+            for node_id, e in self._entries.items()
+        }

@@ -1,0 +1,148 @@
+"""``agora-trainer``: drive samples from data shards through an Agora swarm's pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+import click
+
+from agora_core.config import NodeSettings, load_run_config
+from agora_core.errors import AgoraError, ConfigError
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import configure_logging
+from agora_core.metrics import NodeMetrics
+from agora_core.node_cli import fail, node_options, resolve_node
+from agora_trainer import __version__
+from agora_trainer.shards import ShardError
+from agora_trainer.trainer import Trainer, TrainerSettings
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="agora-trainer")
+def main() -> None:
+    """Train an Agora run's model by routing samples through its workers (no GPU needed)."""
+
+
+def status_line(trainer: Trainer) -> str:
+    s = trainer.status()
+    loss = "-" if s["loss"] is None else f"{s['loss']:.3f} (ema {s['loss_ema']:.3f})"
+    return (
+        f"samples {s['completed']} ({s['samples_per_s']:.2f}/s, {s['tokens_per_s']:.0f} tok/s)  loss {loss}  "
+        f"in flight {s['in_flight']}  workers/stage {s['workers']}  retries {s['retries']}  bans {s['bans']}"
+    )
+
+
+async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    endpoint = trainer.metrics.serve_http(node.metrics_port) if node.metrics_port is not None else None
+    stops = 0
+
+    def on_signal() -> None:
+        nonlocal stops
+        stops += 1
+        if stops == 1:
+            click.echo("stopping: lanes finish their samples (Ctrl-C again to abandon them)")
+            trainer.request_stop()
+        else:
+            training.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    click.echo(f"agora-trainer {__version__}: run {trainer.run.name!r}, {len(trainer.lanes)} lanes")
+    click.echo(f"  node id    {trainer.key.node_id}")
+    click.echo(f"  shards     {trainer.cursor.total} samples, {trainer.cursor.done} done before")
+    sys.stdout.flush()
+    try:
+        await trainer.start()
+        click.echo(f"  workers    {[len(b.workers) for b in trainer.balancers]} per stage; training")
+        training = loop.create_task(trainer.train())
+        while not training.done():
+            await asyncio.wait([training], timeout=status_interval_s)
+            click.echo(status_line(trainer))
+        with contextlib.suppress(asyncio.CancelledError):
+            await training
+        click.echo(
+            f"done: {trainer.counters.completed} samples this run, {trainer.cursor.done} of {trainer.cursor.total} overall"
+        )
+    finally:
+        await trainer.close()
+        if endpoint is not None:
+            endpoint.close()
+        if node.metrics_push_gateway:
+            trainer.metrics.push(node.metrics_push_gateway)
+
+
+@main.command()
+@click.option(
+    "--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Run config TOML."
+)
+@click.option(
+    "--shards", "shards_dir", required=True, type=click.Path(file_okay=False), help="Folder of data shards."
+)
+@node_options
+@click.option("--lanes", type=int, help="Samples in flight at once (default 8).")
+@click.option("--max-samples", type=int, help="Stop after completing this many samples.")
+@click.option(
+    "--state-file", help="Where the position in the shards is kept (default: in the shards folder)."
+)
+@click.option(
+    "--refresh-interval", "refresh_interval_s", type=float, help="Seconds between worker-list refreshes."
+)
+@click.option(
+    "--progress-interval", "progress_interval_s", type=float, help="Seconds between progress reports."
+)
+@click.option(
+    "--status-interval",
+    "status_interval_s",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between status lines.",
+)
+def run(
+    config_file,
+    shards_dir,
+    bootstrap,
+    lanes,
+    max_samples,
+    state_file,
+    refresh_interval_s,
+    progress_interval_s,
+    status_interval_s,
+    **options,
+) -> None:
+    """Train on the samples in --shards until they run out, --max-samples, or Ctrl-C."""
+    node = resolve_node(options)
+    try:
+        run_config = load_run_config(config_file)
+        chosen = {
+            "lanes": lanes,
+            "max_samples": max_samples,
+            "state_file": state_file,
+            "refresh_interval_s": refresh_interval_s,
+            "progress_interval_s": progress_interval_s,
+        }
+        settings = TrainerSettings(**{k: v for k, v in chosen.items() if v is not None})
+    except ConfigError as exc:
+        fail(str(exc))
+    configure_logging(fmt=node.log_format, level=node.log_level)
+    try:
+        key = NodeKey.load_or_create(node.key_file)
+        trainer = Trainer(
+            run=run_config,
+            shards_dir=shards_dir,
+            key=key,
+            bootstrap=list(bootstrap),
+            listen=node.listen,
+            advertise=node.advertise,
+            settings=settings,
+            metrics=NodeMetrics(role="trainer", instance=key.node_id[:12]),
+            link=LinkEmulator(node.link_config) if node.link_config else None,
+        )
+        asyncio.run(_run(trainer, node, status_interval_s))
+    except (AgoraError, ShardError, OSError, ValueError) as exc:
+        fail(str(exc), code=1)

@@ -1,0 +1,169 @@
+"""One sample's trip through the pipeline: forward head to tail, then backward, pinned.
+
+Forward: at each stage the balancer picks a worker; the trainer sends it the tokens and the
+previous stage's boundary and keeps what it sent. The tail runs ``forward_backward`` and
+returns the loss and its input gradient. Backward walks the stages in reverse; each stage's
+backward goes to **the worker that ran its forward** (its weights produced that activation),
+falling back to another worker of the stage only if that one is gone. A failed call bans the
+worker for a while and is retried on another, within a bounded number of attempts; a sample
+that still cannot finish raises :class:`SampleFailed` and goes back to the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agora_core.errors import BadRequest, RpcError, StageMismatch
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, RpcClient
+from agora_trainer.balancer import StageBalancer, WorkerRef
+
+
+class SampleFailed(Exception):
+    """A sample could not get through the pipeline now (no usable worker, retries spent)."""
+
+
+@dataclass
+class Counters:
+    dispatched: int = 0  # samples taken from the shards (once each)
+    completed: int = 0
+    in_flight: int = 0
+    requeued: int = 0  # samples handed back after SampleFailed, waiting to run again
+    retries: int = 0  # calls retried on another worker
+    failed_calls: int = 0
+    fallbacks: int = 0  # backwards that could not go to their forward's worker
+
+
+@dataclass
+class LaneState:
+    """What a lane is doing right now (for status lines and tests)."""
+
+    stage: int = -1
+    method: str = ""
+    worker: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RoutingConfig:
+    request_timeout_s: float = 30.0
+    max_attempts: int = 5  # per hop, across workers
+    wait_for_worker_s: float = 30.0  # how long a hop waits for its stage to have a worker
+
+
+class PipelineRouter:
+    def __init__(
+        self,
+        client: RpcClient,
+        balancers: list[StageBalancer],
+        config: RoutingConfig,
+        counters: Counters,
+        metrics: NodeMetrics,
+    ):
+        self._client = client
+        self._balancers = balancers
+        self._config = config
+        self.counters = counters
+        self._m_hop = metrics.histogram(
+            "agora_trainer_hop_seconds",
+            "Round trip of one stage call.",
+            ["to_stage", "method"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        )
+        self._m_retries = metrics.counter(
+            "agora_trainer_retries_total", "Calls retried on another worker.", ["to_stage"]
+        )
+
+    @property
+    def stages(self) -> int:
+        return len(self._balancers)
+
+    async def _call(
+        self, lane: LaneState, stage: int, method: str, tensors: dict, pinned: WorkerRef | None = None
+    ) -> tuple[WorkerRef, Payload]:
+        balancer = self._balancers[stage]
+        tried: set[str] = set()
+        waited_until = time.monotonic() + self._config.wait_for_worker_s
+        attempts = 0
+        while attempts < self._config.max_attempts:
+            worker = None
+            if pinned is not None and not balancer.banned(pinned.node_id):
+                worker, pinned = pinned, None  # first choice for a backward; failover after
+            else:
+                pinned = None
+                worker = balancer.choose(1, exclude=frozenset(tried))
+                if worker is None and tried:
+                    worker = balancer.choose(1)  # every worker failed once: try them again
+                if worker is None:
+                    if time.monotonic() > waited_until:
+                        raise SampleFailed(
+                            f"stage {stage} has had no usable worker for {self._config.wait_for_worker_s:g} s"
+                        )
+                    await asyncio.sleep(0.05)  # the discovery loop refreshes the workers
+                    continue
+            attempts += 1
+            lane.stage, lane.method, lane.worker, lane.started = (
+                stage,
+                method,
+                worker.node_id,
+                time.monotonic(),
+            )
+            token = balancer.begin(worker)
+            started = time.perf_counter()
+            try:
+                reply = await self._client.call(
+                    worker.address,
+                    method,
+                    {"stage": stage},
+                    tensors,
+                    timeout_s=self._config.request_timeout_s,
+                )
+            except RpcError as exc:  # unreachable, deadline, overloaded, failed, wrong stage
+                if isinstance(exc, BadRequest) and not isinstance(exc, StageMismatch):
+                    raise  # our request is wrong: retrying elsewhere will not help
+                balancer.fail(token)
+                tried.add(worker.node_id)
+                self.counters.failed_calls += 1
+                self.counters.retries += 1
+                self._m_retries.labels(to_stage=str(stage)).inc()
+                continue
+            finally:
+                lane.method = ""
+            elapsed = time.perf_counter() - started
+            balancer.complete(token, 1, elapsed)
+            self._m_hop.labels(to_stage=str(stage), method=method).observe(elapsed)
+            return worker, reply
+        raise SampleFailed(f"stage {stage} {method}: {attempts} attempts failed")
+
+    async def run(self, tokens: np.ndarray, lane: LaneState) -> float:
+        """Train on one sample (``seq_len + 1`` token ids); returns its loss."""
+        inputs = tokens[None, :-1].astype(np.int32)  # (1, T)
+        labels = tokens[None, 1:].astype(np.int32)  # (1, T)
+        hops: list[tuple[WorkerRef, np.ndarray | None]] = []  # per stage: worker, input it got
+        boundary = None
+        for stage in range(self.stages - 1):
+            tensors = {"tokens": inputs} if boundary is None else {"tokens": inputs, "boundary": boundary}
+            worker, reply = await self._call(lane, stage, "forward", tensors)
+            hops.append((worker, boundary))
+            boundary = reply.tensors["boundary"]
+        tail = self.stages - 1
+        _worker, reply = await self._call(
+            lane, tail, "forward_backward", {"tokens": inputs, "boundary": boundary, "labels": labels}
+        )
+        loss = float(reply.tensors["loss"][0])
+        grad = reply.tensors["grad"]
+        for stage in range(self.stages - 2, -1, -1):
+            forward_worker, sent = hops[stage]
+            tensors = {"tokens": inputs, "grad": grad}
+            if sent is not None:
+                tensors["boundary"] = sent
+            worker, reply = await self._call(lane, stage, "backward", tensors, pinned=forward_worker)
+            if worker.node_id != forward_worker.node_id:
+                self.counters.fallbacks += 1
+            grad = reply.tensors.get("grad")
+        lane.stage = -1
+        return loss

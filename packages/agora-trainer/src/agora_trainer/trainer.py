@@ -1,0 +1,306 @@
+"""A trainer: many lanes, each keeping one sample in flight through the swarm's pipeline.
+
+The trainer holds no parameters. It joins the run's DHT, learns each stage's workers from
+their announcements, and runs ``lanes`` concurrent sample loops over its shards until they
+are exhausted (or ``max_samples`` are done). Progress goes to the DHT under its own signed
+subkey; its position in the shards goes to a state file, so a restart resumes exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agora_core.config import RunConfig, require
+from agora_core.dht import DhtError
+from agora_core.dht.owned import OwnedEntry
+from agora_core.errors import BadRequest, RpcError
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkEmulator
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.run_node import RunNode
+from agora_core.schema import (
+    TrainerProgress,
+    WorkerAnnouncement,
+    stage_workers_key,
+    trainer_progress_key,
+)
+from agora_trainer.balancer import StageBalancer
+from agora_trainer.cursor import Sample, SampleCursor
+from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
+from agora_trainer.shards import ShardError, open_shards
+from agora_trainer.tokenizer import get_tokenizer
+
+log = get_logger("trainer")
+
+LOSS_EMA = 0.95  # weight of the running value in the loss average
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainerSettings:
+    lanes: int = 8  # samples in flight at once (each lane is one of the paper's trainers)
+    max_samples: int | None = None  # stop after completing this many (None: run the shards out)
+    refresh_interval_s: float = 5.0  # how often worker lists are re-read from the DHT
+    ban_s: float = 10.0  # a worker whose call failed is skipped this long
+    progress_interval_s: float = 5.0  # how often progress is published to the DHT
+    max_attempts: int = 5  # per stage call, across the stage's workers
+    wait_for_workers_s: float = 120.0  # at start, and per call, for a stage to have a worker
+    max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
+    state_file: str | None = None  # where the shard position is kept (default: in --shards)
+
+    def __post_init__(self) -> None:
+        require(self.lanes >= 1, "lanes", "must be >= 1")
+        require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
+        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_workers_s"):
+            require(getattr(self, name) > 0, name, "must be positive")
+        require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        run: RunConfig,
+        shards_dir: str | Path,
+        key: NodeKey,
+        bootstrap: Sequence[str] = (),
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        settings: TrainerSettings | None = None,
+        metrics: NodeMetrics | None = None,
+        link: LinkEmulator | None = None,
+    ):
+        self.run = run
+        self.key = key
+        self.settings = settings or TrainerSettings()
+        self.metrics = metrics or NodeMetrics(role="trainer", instance=key.node_id[:12])
+        shards = open_shards(shards_dir)
+        tokenizer = get_tokenizer(run.data.tokenizer)
+        for shard in shards:
+            if shard.tokenizer != tokenizer.name or shard.vocab_size > run.model.vocab_size:
+                raise ShardError(
+                    f"shard {shard.name} was made with tokenizer {shard.tokenizer!r} (vocab {shard.vocab_size}); "
+                    f"the run uses {tokenizer.name!r} with a vocab of {run.model.vocab_size}"
+                )
+        state = (
+            Path(self.settings.state_file)
+            if self.settings.state_file
+            else Path(shards_dir) / f".trainer-{key.node_id[:12]}.json"
+        )
+        self.cursor = SampleCursor(shards, run.model.seq_len, state)
+        self.node = RunNode(
+            run=run,
+            key=key,
+            metrics=self.metrics,
+            listen=listen,
+            bootstrap=bootstrap,
+            advertise=advertise,
+            link=link,
+        )
+        self.client, self.dht = self.node.client, self.node.dht
+        self.balancers = [
+            StageBalancer(stage, ban_s=self.settings.ban_s) for stage in range(run.model.n_stages)
+        ]
+        self.counters = Counters()
+        routing = RoutingConfig(
+            request_timeout_s=run.transport.request_timeout_s,
+            max_attempts=self.settings.max_attempts,
+            wait_for_worker_s=self.settings.wait_for_workers_s,
+        )
+        self.router = PipelineRouter(self.client, self.balancers, routing, self.counters, self.metrics)
+        self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
+        self.lanes = [LaneState() for _ in range(self.settings.lanes)]
+        self.completed_ids: list[int] = []  # in completion order (tools and tests read it)
+        self.loss_last: float | None = None
+        self.loss_ema: float | None = None
+        self.tokens = 0
+        self.abandoned = 0
+        self._failures: collections.Counter[int] = collections.Counter()
+        self._taken = 0
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self.started_at = time.monotonic()
+        m = self.metrics
+        self._m_loss = m.gauge("agora_trainer_loss", "Loss, exponential moving average.")
+        self._m_samples = m.counter("agora_trainer_samples_total", "Samples, by outcome.", ["outcome"])
+        self._m_tokens = m.counter("agora_trainer_tokens_total", "Tokens trained on.")
+        self._m_busy = m.gauge("agora_trainer_lanes_busy", "Lanes with a sample in flight.")
+        self._m_bans = m.gauge("agora_trainer_bans", "Workers banned after a failed call, so far.")
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join the DHT and wait until every stage has at least one worker."""
+        await self.node.start()
+        await self.refresh()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._refresh_loop(), name="trainer-refresh"),
+            loop.create_task(self._progress_loop(), name="trainer-progress"),
+        ]
+        deadline = time.monotonic() + self.settings.wait_for_workers_s
+        while not all(b.workers for b in self.balancers):
+            missing = [b.stage for b in self.balancers if not b.workers]
+            if time.monotonic() > deadline:
+                raise DhtError(
+                    f"stages {missing} have no worker after {self.settings.wait_for_workers_s:g} s"
+                )
+            log.info("waiting_for_workers", stages=missing)
+            await asyncio.sleep(min(1.0, self.settings.refresh_interval_s))
+            await self.refresh()
+
+    async def close(self) -> None:
+        self.cursor.save()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with _quiet():
+            await self.publish_progress()
+        await self.node.stop(grace_s=1.0)
+
+    def request_stop(self) -> None:
+        """Lanes finish the sample they hold, then stop; ``train`` returns."""
+        self._stopping = True
+
+    # --- discovery and progress -------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Re-read every stage's worker announcements."""
+        keys = [stage_workers_key(self.run.name, s) for s in range(len(self.balancers))]
+        found = await self.dht.get_many(keys)
+        for balancer, key in zip(self.balancers, keys, strict=True):
+            announcements = []
+            for value in found[key].values():
+                try:
+                    announcements.append(WorkerAnnouncement.from_value(value.value))
+                except Exception:
+                    continue
+            balancer.update(announcements)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_interval_s)
+            with _quiet():
+                await self.refresh()
+
+    def report(self) -> TrainerProgress:
+        return TrainerProgress(
+            node_id=self.key.node_id,
+            loss_ema=self.loss_ema,
+            loss_last=self.loss_last,
+            samples=self.counters.completed,
+            tokens=self.tokens,
+            lanes=len(self.lanes),
+        )
+
+    async def publish_progress(self) -> None:
+        await self.progress.publish(
+            self.report().to_value(), max(3 * self.settings.progress_interval_s, 10.0)
+        )
+
+    async def _progress_loop(self) -> None:
+        while True:
+            with _quiet():
+                await self.publish_progress()
+            self._m_bans.set(sum(b.bans for b in self.balancers))
+            self._m_busy.set(self.counters.in_flight)
+            await asyncio.sleep(self.settings.progress_interval_s)
+
+    # --- training -----------------------------------------------------------------------------
+
+    async def train(self) -> Counters:
+        """Run the lanes until the shards are done, ``max_samples`` completed, or a stop."""
+        self.started_at = time.monotonic()
+        await asyncio.gather(*(self._lane(state) for state in self.lanes))
+        self.cursor.save()
+        return self.counters
+
+    def _next_sample(self) -> Sample | None:
+        limit = self.settings.max_samples
+        if self._stopping or (
+            limit is not None and self.counters.completed + self.counters.in_flight >= limit
+        ):
+            return None
+        sample = self.cursor.take()
+        if sample is None:
+            return None
+        if self._failures[sample.id]:
+            self.counters.requeued -= 1
+        else:
+            self.counters.dispatched += 1
+        return sample
+
+    async def _lane(self, state: LaneState) -> None:
+        while (sample := self._next_sample()) is not None:
+            self.counters.in_flight += 1
+            try:
+                loss = await self.router.run(sample.tokens, state)
+            except (SampleFailed, BadRequest) as exc:
+                self._sample_failed(sample, exc)
+                continue
+            finally:
+                self.counters.in_flight -= 1
+                state.stage = -1
+            self._sample_done(sample, loss)
+
+    def _sample_done(self, sample: Sample, loss: float) -> None:
+        self.cursor.complete(sample.id)
+        self.completed_ids.append(sample.id)
+        self.counters.completed += 1
+        tokens = len(sample.tokens) - 1
+        self.tokens += tokens
+        self.loss_last = loss
+        self.loss_ema = loss if self.loss_ema is None else LOSS_EMA * self.loss_ema + (1 - LOSS_EMA) * loss
+        self._m_loss.set(self.loss_ema)
+        self._m_samples.labels(outcome="completed").inc()
+        self._m_tokens.inc(tokens)
+
+    def _sample_failed(self, sample: Sample, error: Exception) -> None:
+        self._failures[sample.id] += 1
+        if isinstance(error, BadRequest) or self._failures[sample.id] > self.settings.max_requeues:
+            # Never silent: counted, logged, and marked done so the shard position moves on.
+            self.abandoned += 1
+            self.cursor.complete(sample.id)
+            self._m_samples.labels(outcome="abandoned").inc()
+            log.error(
+                "sample_abandoned", sample=sample.id, attempts=self._failures[sample.id], error=str(error)
+            )
+            return
+        self.cursor.give_back(sample)
+        self.counters.requeued += 1
+        self._m_samples.labels(outcome="requeued").inc()
+        log.warning("sample_requeued", sample=sample.id, error=str(error))
+
+    def status(self) -> dict:
+        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        return {
+            "completed": self.counters.completed,
+            "in_flight": self.counters.in_flight,
+            "samples_per_s": self.counters.completed / elapsed,
+            "tokens_per_s": self.tokens / elapsed,
+            "loss": self.loss_last,
+            "loss_ema": self.loss_ema,
+            "retries": self.counters.retries,
+            "bans": sum(b.bans for b in self.balancers),
+            "workers": [len(b.workers) for b in self.balancers],
+            "abandoned": self.abandoned,
+        }
+
+
+class _quiet:
+    """Swallow the DHT/RPC errors of background bookkeeping (logged, never fatal)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, _traceback) -> bool:
+        if error is not None and isinstance(error, (DhtError, RpcError)):
+            log.warning("bookkeeping_failed", error=str(error))
+            return True
+        return False

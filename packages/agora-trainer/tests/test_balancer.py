@@ -1,0 +1,80 @@
+"""The per-stage balancer: proportional to speed, fair to newcomers, wary of failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from agora_core.schema import WorkerAnnouncement
+from agora_trainer.balancer import StageBalancer
+
+
+def announce(node_id: str, *, phase: str = "serving", throughput: float = 0.0, stage: int = 1):
+    return WorkerAnnouncement(
+        node_id=node_id,
+        address=f"tcp://127.0.0.1:{abs(hash(node_id)) % 60000}",
+        stage=stage,
+        phase=phase,
+        throughput=throughput,
+        load=0,
+        max_batch=8,
+        version="t",
+    )
+
+
+def simulate(
+    balancer: StageBalancer, seconds_per_sample: dict[str, float], dispatches: int
+) -> dict[str, int]:
+    counts = dict.fromkeys(seconds_per_sample, 0)
+    for _ in range(dispatches):
+        ref = balancer.choose()
+        counts[ref.node_id] += 1
+        balancer.complete(balancer.begin(ref), 1, seconds_per_sample[ref.node_id])
+    return counts
+
+
+def test_work_is_shared_in_proportion_to_measured_speed():
+    balancer = StageBalancer(1)
+    balancer.update([announce("fast"), announce("slow")])
+    counts = simulate(balancer, {"fast": 0.01, "slow": 0.03}, 4000)
+    assert counts["fast"] / counts["slow"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_throughput_counts_the_calls_a_worker_serves_at_once():
+    balancer = StageBalancer(1)
+    balancer.update([announce("batcher")])
+    ref = balancer.choose()
+    tokens = [balancer.begin(ref) for _ in range(4)]  # four calls, merged into one 0.4 s batch
+    for token in tokens:
+        balancer.complete(token, 1, 0.4)
+    assert balancer.stats()["batcher"]["throughput"] == pytest.approx(10.0, rel=0.25)  # not 2.5/s
+
+
+def test_a_new_worker_enters_level_with_the_most_loaded_not_at_zero():
+    balancer = StageBalancer(1)
+    balancer.update([announce("a"), announce("b")])
+    simulate(balancer, {"a": 0.01, "b": 0.01}, 100)
+    balancer.update([announce("a"), announce("b"), announce("new")])
+    counts = simulate(balancer, {"a": 0.01, "b": 0.01, "new": 0.01}, 30)
+    assert counts["new"] <= 12  # it shares the work, it is not flooded with it
+
+
+def test_failed_workers_are_banned_and_weight_sync_workers_invisible():
+    balancer = StageBalancer(1, ban_s=60)
+    balancer.update([announce("a"), announce("b"), announce("syncing", phase="weight_sync")])
+    a = next(w for w in balancer.workers if w.node_id == "a")
+    balancer.fail(balancer.begin(a))
+    assert {balancer.choose().node_id for _ in range(10)} == {"b"}
+    assert balancer.bans == 1 and balancer.banned("a")
+    balancer.update([announce("b")])  # a and syncing left the stage
+    assert [w.node_id for w in balancer.workers] == ["b"]
+    balancer.update([])
+    assert balancer.choose() is None
+
+
+def test_announcements_for_other_stages_are_ignored_and_moves_are_followed():
+    balancer = StageBalancer(1)
+    balancer.update([announce("a"), announce("x", stage=2)])
+    assert [w.node_id for w in balancer.workers] == ["a"]
+    moved = WorkerAnnouncement(**{**announce("a").to_value(), "address": "tcp://127.0.0.1:9"})
+    balancer.update([moved])
+    assert balancer.choose().address == "tcp://127.0.0.1:9"

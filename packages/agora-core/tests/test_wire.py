@@ -120,6 +120,16 @@ def test_compression_can_be_disabled():
     assert msgpack.unpackb(frames[0])["tensors"][0]["codecs"] == [CODEC_RAW]
 
 
+def test_one_message_can_opt_out_of_compression():
+    zeros = {"z": np.zeros(1 << 16)}
+    assert msgpack.unpackb(encode(Message(kind=Kind.STREAM, tensors=zeros), CONFIG)[0])["tensors"][0][
+        "codecs"
+    ] != [CODEC_RAW]
+    frames = encode(Message(kind=Kind.STREAM, tensors=zeros, compress=False), CONFIG)
+    assert set(msgpack.unpackb(frames[0])["tensors"][0]["codecs"]) == {CODEC_RAW}
+    assert np.array_equal(decode(frames, CONFIG.limits).tensors["z"], zeros["z"])
+
+
 def test_metadata_and_fields_round_trip():
     meta = {"step": 3, "names": ["a", "b"], "nested": {"x": 1.5}, "blob": b"\x00\x01"}
     message = roundtrip({}, meta=meta, deadline_s=2.5, sender="node-1")

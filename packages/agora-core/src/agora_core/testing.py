@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 POLL_INTERVAL_S = 0.005
 
@@ -37,6 +37,21 @@ async def wait_until_async(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
         await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def poll_until(
+    check: Callable[[], Awaitable[bool]],
+    *,
+    timeout_s: float = 10.0,
+    what: str = "condition",
+    every_s: float = 0.05,
+) -> None:
+    """Await ``check()`` (say, an RPC to another process) until it is true, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+        await asyncio.sleep(every_s)
 
 
 class ChildProcess:

@@ -99,17 +99,22 @@ class Message:
     credit: int = 0  # CREDIT: items granted
     error_code: str = ""  # ERROR
     error_message: str = ""  # ERROR
+    compress: bool = True  # False: every chunk travels raw, whatever the compression policy says
 
 
 # --- encoding ------------------------------------------------------------------------------
 
 
+_RAW_ONLY = CompressionPolicy(enabled=False)
+
+
 def _tensor_frames(
-    name: str, tensor: Tensor, config: WireConfig
+    name: str, tensor: Tensor, config: WireConfig, compress: bool
 ) -> tuple[dict[str, Any], list[memoryview | bytes], int]:
     dtype, array = as_wire_array(tensor)
     nbytes = array.nbytes
     step = config.chunk_bytes
+    policy = config.compression if compress else _RAW_ONLY
     codecs: list[int] = []
     sizes: list[int] = []
     frames: list[memoryview | bytes] = []
@@ -117,7 +122,7 @@ def _tensor_frames(
         data = memoryview(array.reshape(-1).view(np.uint8))
         run_start = None  # start of the current run of raw chunks, sent as one frame
         for start in range(0, nbytes, step):
-            codec, payload = encode_chunk(data[start : start + step], config.compression)
+            codec, payload = encode_chunk(data[start : start + step], policy)
             codecs.append(codec)
             sizes.append(len(payload))
             if codec == CODEC_RAW:
@@ -153,7 +158,7 @@ def encode(message: Message, config: WireConfig) -> list[memoryview | bytes]:
     for name, tensor in message.tensors.items():
         if not isinstance(name, str) or not 0 < len(name) <= limits.max_name_chars:
             raise WireError(f"tensor name must be a non-empty str of <= {limits.max_name_chars} chars")
-        descriptor, frames, nbytes = _tensor_frames(name, tensor, config)
+        descriptor, frames, nbytes = _tensor_frames(name, tensor, config, message.compress)
         total += nbytes
         if nbytes > limits.max_tensor_bytes:
             raise LimitExceeded(f"tensor {name!r} is {nbytes} bytes; the limit is {limits.max_tensor_bytes}")

@@ -67,6 +67,11 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
 @click.option(
+    "--phase",
+    type=click.Choice(["serving", "weight_sync", "optimizer_sync"]),
+    help="Participation phase (default serving; weight_sync: averages at weight 0, gets no samples).",
+)
+@click.option(
     "--surrogate-delay-scale",
     "surrogate_delay_scale",
     type=float,
@@ -82,6 +87,7 @@ def run(
     progress_interval_s,
     announce_interval_s,
     surrogate_delay_scale,
+    phase,
     **options,
 ) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
@@ -95,6 +101,7 @@ def run(
             "progress_interval_s": progress_interval_s,
             "announce_interval_s": announce_interval_s,
             "surrogate_delay_scale": surrogate_delay_scale,
+            "phase": phase,
         }
         settings = WorkerSettings(**{k: v for k, v in worker_settings.items() if v is not None})
     except ConfigError as exc:

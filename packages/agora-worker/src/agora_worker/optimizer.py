@@ -68,6 +68,7 @@ class HostOptimizer:
         )
         self.step = 0
         self.samples = 0  # accumulated toward the next step
+        self.total_samples = 0  # ever accumulated (averaging weighs peers by its increase)
 
     def accumulate(self, samples: int) -> None:
         """Count a microbatch whose backward just added into the compute gradients."""
@@ -80,6 +81,14 @@ class HostOptimizer:
                     master.grad = grad if master.grad is None else master.grad.add_(grad)
                     compute.grad = None
             self.samples += samples
+            self.total_samples += samples
+
+    def sync_compute(self) -> None:
+        """Copy the host weights to the compute copy (after averaging changed them)."""
+        if self.separate:
+            with self.lock, torch.no_grad():
+                for master, compute in zip(self.master, self.compute, strict=True):
+                    compute.copy_(master)
 
     def apply(self) -> StepReport:
         """Take the step: average, clip, AdamW, zero. Runs on the compute thread."""

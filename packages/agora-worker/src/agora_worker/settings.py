@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -21,6 +22,9 @@ class WorkerSettings:
     announce_interval_s: float = 2.0  # how often the announcement is refreshed (expiry: 3x)
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
     surrogate_delay_scale: float = 1.0  # surrogate stages only: this node is this much slower
+    # serving: full participant. weight_sync: invisible to trainers, averages with weight 0
+    # (a stale joiner catching up). optimizer_sync: serves, but its samples do not count.
+    phase: Literal["serving", "weight_sync", "optimizer_sync"] = "serving"
 
     def __post_init__(self) -> None:
         require(

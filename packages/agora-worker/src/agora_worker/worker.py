@@ -8,6 +8,7 @@ optimizer whenever its stage has jointly processed a batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from agora_core.run_node import RunNode
 from agora_core.schema import WorkerAnnouncement
 from agora_worker import __version__
 from agora_worker.announce import Announcer
+from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
@@ -84,8 +86,27 @@ class Worker:
             ("backward", self._on_backward),
             ("forward_backward", self._on_forward_backward),
             ("worker.info", self._on_info),
+            ("worker.parameters", self._on_parameters),
+            ("averaging.start", self._on_start_round),
         ):
             self.server.register(method, handler)
+        untrained = [p for p in self.module.parameters() if not p.requires_grad]
+        self.averager = Averager(
+            config=run.averaging,
+            run=run.name,
+            seed=run.seed,
+            stage=stage,
+            key=key,
+            dht=self.dht,
+            server=self.server,
+            client=self.client,
+            runtime=self.runtime,
+            optimizer=self.optimizer,
+            tensors=list(self.optimizer.master) + untrained,  # dummy parameters travel too
+            metrics=self.metrics,
+            address=lambda: self.address or "",
+            phase=lambda: self.settings.phase,
+        )
         self.progress = StageProgressTracker(
             dht=self.dht,
             key=key,
@@ -93,7 +114,11 @@ class Worker:
             stage=stage,
             target_batch_size=run.optimizer.target_batch_size,
             interval_s=self.settings.progress_interval_s,
-            local=lambda: (self.optimizer.step, self.optimizer.samples),
+            # A worker in optimizer sync trains, but its samples do not count toward the batch.
+            local=lambda: (
+                self.optimizer.step,
+                0 if self.settings.phase == "optimizer_sync" else self.optimizer.samples,
+            ),
             take_step=self.take_step,
         )
         self.announcer = Announcer(
@@ -141,6 +166,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.averager.stop()
         await self.announcer.withdraw()
         await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
         await asyncio.to_thread(self.runtime.stop)
@@ -154,6 +180,7 @@ class Worker:
         self._m_step.set(report.step)
         self._m_norm.set(report.grad_norm)
         self._m_lr.set(report.lr)
+        self.averager.on_step(report.step)
         log.info(
             "optimizer_step",
             stage=self.stage,
@@ -172,7 +199,7 @@ class Worker:
             node_id=self.key.node_id,
             address=self.address or "",
             stage=self.stage,
-            phase="serving",
+            phase=self.settings.phase,
             throughput=throughput,
             load=runtime.queued_samples,
             max_batch=self.max_batch,
@@ -257,10 +284,33 @@ class Worker:
                 "processed_by_kind": dict(runtime.samples_by_kind),
                 "recent_batch_sizes": list(runtime.batch_sizes),
                 "max_batch": self.max_batch,
+                "phase": self.settings.phase,
+                "averaging": self.averager.info(),
                 "version": __version__,
                 "time": time.time(),
             }
         )
+
+    async def _on_parameters(self, request: Request) -> Payload:
+        """The stage's averaged parameters as one float32 vector (or one segment of it):
+        for tests, and for tools that measure how far replicas drifted apart."""
+        segment = request.meta.get("segment") if isinstance(request.meta, dict) else None
+        layout = self.averager.layout
+        if segment is not None and (not isinstance(segment, int) or not 0 <= segment < layout.segments):
+            raise BadRequest(f"segment must be an int in [0, {layout.segments})")
+        ranges = [(0, layout.total)] if segment is None else layout.ranges(segment)
+        values = await asyncio.wrap_future(self.runtime.call(lambda: self.averager.flat.read(ranges)))
+        return Payload(
+            {"step": self.optimizer.step, "total_samples": self.optimizer.total_samples}, {"values": values}
+        )
+
+    async def _on_start_round(self, request: Request) -> Payload:
+        """Run averaging round ``round`` now (operators and tests; normally steps trigger it)."""
+        round_index = request.meta.get("round") if isinstance(request.meta, dict) else None
+        if not isinstance(round_index, int) or round_index < 0:
+            raise BadRequest("averaging.start needs {'round': n >= 0}")
+        report = await self.averager.run_round(round_index)
+        return Payload(dataclasses.asdict(report))
 
 
 def _activation_bytes(run: RunConfig) -> int:

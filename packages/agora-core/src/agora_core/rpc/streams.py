@@ -97,9 +97,12 @@ class StreamChannel:
         except TimeoutError:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}") from None
 
-    async def send(self, meta: Any = None, tensors: dict[str, Tensor] | None = None) -> None:
+    async def send(
+        self, meta: Any = None, tensors: dict[str, Tensor] | None = None, *, compress: bool = True
+    ) -> None:
         """Send one item, waiting for credit. Raw buffers are sent without copying: do not
-        modify the arrays until the stream has ended."""
+        modify the arrays until the stream has ended. ``compress=False`` sends every chunk raw
+        (the node's compression policy decides otherwise)."""
         if self._ended:
             raise StreamError(f"stream {self.method!r}: send after end")
         while self._credit <= 0:
@@ -110,7 +113,13 @@ class StreamChannel:
             raise self._error
         self._credit -= 1
         await self._send_message(
-            Message(kind=Kind.STREAM, request_id=self.request_id, meta=meta, tensors=tensors or {})
+            Message(
+                kind=Kind.STREAM,
+                request_id=self.request_id,
+                meta=meta,
+                tensors=tensors or {},
+                compress=compress,
+            )
         )
 
     async def end(self) -> None:

@@ -37,7 +37,9 @@ class SurrogateStage(nn.Module):
             self.lm_head = nn.Linear(k, config.vocab_size, bias=False)
             with torch.no_grad():
                 self.lm_head.weight.copy_(normal((config.vocab_size, k), 0.1, seed, "surrogate.lm_head"))
-        self.dummy = nn.Parameter(torch.zeros(self.surrogate.dummy_parameters), requires_grad=False)
+        # Not trained, only averaged: each replica starts them at its own random values (unlike
+        # every real weight), so averaging visibly brings them together.
+        self.dummy = nn.Parameter(torch.randn(self.surrogate.dummy_parameters), requires_grad=False)
 
     def forward(
         self, tokens: torch.Tensor, boundary: torch.Tensor | None = None, labels: torch.Tensor | None = None

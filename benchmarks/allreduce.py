@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Averaging benchmark: Agora's butterfly all-reduce against torch.distributed gloo.
+
+    python benchmarks/allreduce.py [--json] [--megabytes 100] [--rounds 3] [--peers 4]
+
+Figures:
+  (a) time to average a --megabytes float32 vector among --peers processes on loopback, vs
+      gloo ``all_reduce`` of the same tensor among the same number of processes (same run,
+      interleaved rounds, medians; each round's time is its slowest peer's)
+  (b) the same under link emulation (every peer's access link: 200 Mbit/s up and down, 40 ms
+      one way), vs payload / bandwidth, and vs the least any all-reduce can do on such links
+      (each peer uploads 2 (N-1)/N of the payload: its share of the reduce-scatter and of the
+      all-gather)
+  (c) under the same links, one of the senders (a peer that does not reduce) dies a third of
+      the way into a round: the fraction of the vector the survivors got averaged, the
+      fraction of inputs the reducers received, and the round's time
+
+Every peer is its own OS process (a bare RPC server, client and reduction board: no worker,
+no DHT), so the figures are the all-reduce's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.rpc import RpcClient, RpcServer
+from agora_core.testing import ChildProcess, spawn_python
+from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
+from agora_worker.averaging.matchmaking import Group, Peer
+
+SCRIPT = str(Path(__file__).resolve())
+CHUNK_BYTES = 2 * 1024 * 1024  # the run config's default
+LINK = "up=200M,down=200M,latency=40ms"
+LINK_BITS_PER_S = 200e6
+
+
+# --- peers (each runs as `allreduce.py --serve ...` in its own process) -------------------------
+
+
+async def serve_agora(index: int, values_count: int, link_spec: str | None) -> None:
+    link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
+    server = RpcServer(listen="127.0.0.1:0", link=link)
+    client = RpcClient(link=link)
+    board = ReductionBoard(server, early_wait_s=60.0)
+    print(f"ADDRESS {await server.start()}", flush=True)
+    values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
+    loop = asyncio.get_running_loop()
+    me = f"peer{index}"
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        command = json.loads(line)
+        group = Group(
+            command["round"],
+            tuple(
+                Peer(
+                    node_id=f"peer{i}",
+                    address=a,
+                    weight=1.0,
+                    reducer=i in command["reducers"],
+                    phase="serving",
+                )
+                for i, a in enumerate(command["addresses"])
+            ),
+        )
+        if command.get("die_after_s") is not None:  # the failure under test: an abrupt death
+            loop.call_later(command["die_after_s"], os._exit, 1)
+        started = time.monotonic()
+        result = await all_reduce(
+            board=board,
+            client=client,
+            group=group,
+            me=me,
+            values=values,
+            chunk_values=CHUNK_BYTES // 4,
+            chunk_timeout_s=command["chunk_timeout_s"],
+            deadline=started + command["timeout_s"],
+        )
+        outcome = {
+            "seconds": time.monotonic() - started,
+            "averaged": float(result.received.mean()),
+            "reduce_success": result.reduce_success if result.reductions else None,
+        }
+        print(f"DONE {json.dumps(outcome)}", flush=True)
+    await client.close()
+    await server.stop()
+
+
+def serve_gloo(rank: int, world: int, port: int, values_count: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    original = torch.from_numpy(np.random.default_rng(rank).standard_normal(values_count, dtype=np.float32))
+    tensor = original.clone()
+    print("READY", flush=True)
+    for _ in sys.stdin:
+        tensor.copy_(original)
+        dist.barrier()
+        started = time.monotonic()
+        dist.all_reduce(tensor)
+        print(f"DONE {json.dumps({'seconds': time.monotonic() - started})}", flush=True)
+    dist.destroy_process_group()
+
+
+# --- the parent -----------------------------------------------------------------------------------
+
+
+class Swarm:
+    """N peer processes driven over stdin; a round's time is its slowest peer's."""
+
+    def __init__(self, stack: contextlib.ExitStack, children: list[ChildProcess], addresses: list[str]):
+        self.stack, self.children, self.addresses = stack, children, addresses
+        self.round = 0
+
+    @classmethod
+    def agora(cls, stack, peers: int, values_count: int, link: str | None) -> Swarm:
+        children, addresses = [], []
+        for i in range(peers):
+            args = [SCRIPT, "--serve", "agora", "--index", str(i), "--values", str(values_count)]
+            child = stack.enter_context(spawn_python(args + (["--link", link] if link else [])))
+            children.append(child)
+        for child in children:
+            addresses.append(child.read_until("ADDRESS ", timeout_s=120))
+        return cls(stack, children, addresses)
+
+    @classmethod
+    def gloo(cls, stack, peers: int, values_count: int) -> Swarm:
+        port = _free_port()
+        tail = ["--port", str(port), "--values", str(values_count)]
+        children = [
+            stack.enter_context(
+                spawn_python([SCRIPT, "--serve", "gloo", "--index", str(i), "--peers", str(peers), *tail])
+            )
+            for i in range(peers)
+        ]
+        for child in children:
+            child.read_until("READY", timeout_s=180)
+        return cls(stack, children, [])
+
+    def run(
+        self, *, reducers=None, die: dict[int, float] | None = None, timeout_s=150.0, chunk_timeout_s=30.0
+    ):
+        """One round; returns each live peer's outcome (None for the peers that died)."""
+        self.round += 1
+        die = die or {}
+        for i, child in enumerate(self.children):
+            command = {
+                "round": self.round,
+                "addresses": self.addresses,
+                "reducers": list(range(len(self.children))) if reducers is None else reducers,
+                "timeout_s": timeout_s,
+                "chunk_timeout_s": chunk_timeout_s,
+                "die_after_s": die.get(i),
+            }
+            child.proc.stdin.write((json.dumps(command) + "\n").encode())
+            child.proc.stdin.flush()
+        outcomes = []
+        for i, child in enumerate(self.children):
+            if i in die:
+                outcomes.append(None)
+                continue
+            outcomes.append(json.loads(child.read_until("DONE ", timeout_s=timeout_s + 60)))
+        return outcomes
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def slowest(outcomes) -> float:
+    return max(o["seconds"] for o in outcomes if o is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--megabytes", type=float, default=100.0, help="vector size (10^6 bytes)")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds on loopback")
+    parser.add_argument("--link-rounds", type=int, default=1, help="rounds under link emulation")
+    parser.add_argument("--serve", choices=["agora", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--values", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--link", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve == "agora":
+        asyncio.run(serve_agora(args.index, args.values, args.link))
+        return
+    if args.serve == "gloo":
+        serve_gloo(args.index, args.peers, args.port, args.values)
+        return
+
+    payload = int(args.megabytes * 1e6)
+    values_count = payload // 4
+    n = args.peers
+    report = Report("allreduce", as_json=args.json)
+    report.note(f"{n} peers, {payload / 1e6:g} MB float32 each, chunks of {CHUNK_BYTES >> 20} MiB")
+    with contextlib.ExitStack() as stack:
+        agora = Swarm.agora(stack, n, values_count, None)
+        gloo = Swarm.gloo(stack, n, values_count)
+        agora.run()  # warm up connections and allocators, then measure
+        gloo.run()
+        ours, theirs = [], []
+        for r in range(args.rounds):
+            ours.append(slowest(agora.run()))
+            theirs.append(slowest(gloo.run()))
+            report.note(f"round {r + 1}: agora {ours[-1]:.3f} s, gloo {theirs[-1]:.3f} s")
+        report.compare(
+            "loopback_average_seconds",
+            statistics.median(ours),
+            statistics.median(theirs),
+            "s (vs gloo all_reduce)",
+            target="<= 1.5",
+        )
+
+    with contextlib.ExitStack() as stack:
+        report.note(f"link emulation {LINK} on every peer ...")
+        linked = Swarm.agora(stack, n, values_count, LINK)
+        times = [slowest(linked.run()) for _ in range(args.link_rounds)]
+        bound = payload * 8 / LINK_BITS_PER_S
+        seconds = statistics.median(times)
+        report.compare(
+            "linked_average_seconds", seconds, bound, "s (vs payload / bandwidth)", target="<= 1.3"
+        )
+        least = 2 * (n - 1) / n * bound
+        report.compare(
+            "linked_vs_all_reduce_minimum", seconds, least, "s (vs 2(N-1)/N x payload / bandwidth)"
+        )
+        # (c) peer n-1 only sends (it reduces nothing) and dies a third of the way into the
+        # round, while most of its chunks are still on its link
+        outcomes = linked.run(reducers=list(range(n - 1)), die={n - 1: seconds / 3}, chunk_timeout_s=5.0)
+        survivors = [o for o in outcomes if o is not None]
+        report.add("sender_death_survivors_averaged", min(o["averaged"] for o in survivors), "of the vector")
+        report.add(
+            "sender_death_reduce_success",
+            statistics.mean(o["reduce_success"] for o in survivors if o["reduce_success"] is not None),
+            "of the reducers' inputs",
+        )
+        report.add(
+            "sender_death_round_seconds",
+            slowest(survivors),
+            f"s (clean round {seconds:.3g} s; chunk timeout 5 s, round timeout 150 s)",
+        )
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""Butterfly all-reduce of one segment: a reduce-scatter and an all-gather, in one pass.
+
+The segment is cut into one contiguous slice per reducer. Every peer streams its copy of each
+slice to that slice's reducer in fixed-size chunks; the reducer adds chunks into a weighted
+sum as they arrive and, once a chunk has come in from every live sender, streams back to each
+sender the *difference* between the weighted average and that sender's chunk. Sending and
+reducing overlap: one stream per (sender, slice) carries chunks one way and differences the
+other. A sender that misses a chunk's deadline is banned for the round and the chunk is
+averaged over the others; a difference that never comes back leaves the local values alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agora_core.errors import BadRequest, RpcError
+from agora_core.logs import get_logger
+from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_worker.averaging.matchmaking import Group
+
+log = get_logger("worker.averaging")
+
+METHOD = "averaging.reduce"
+DEADLINE_TICK_S = 0.05  # how often reducers look for senders past their chunk deadline
+
+
+def slice_bounds(length: int, reducers: int) -> list[tuple[int, int]]:
+    """[start, stop) of each reducer's contiguous slice of a segment of ``length`` values."""
+    edges = [length * i // reducers for i in range(reducers + 1)]
+    return list(itertools.pairwise(edges))
+
+
+def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    return [(i, min(i + chunk, stop)) for i in range(start, stop, chunk)] or [(start, stop)]
+
+
+@dataclass
+class SliceReduction:
+    """A reducer's work on one slice for one round: sums chunks, hands out differences."""
+
+    group: Group
+    slice_index: int
+    start: int
+    stop: int
+    chunk: int  # values per chunk
+    chunk_timeout_s: float
+    deadline: float  # time.monotonic() by which the round ends, reduced or not
+    compress: bool = True  # differences go back LZ4-compressed where a chunk pays for it
+    _inputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # chunk -> sender -> values
+    _sums: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> weighted sum of its inputs
+    _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
+    _done: set[int] = field(default_factory=set)
+    banned: set[str] = field(default_factory=set)
+    outboxes: dict[str, asyncio.Queue] = field(default_factory=dict)  # sender -> (chunk, difference)
+    received: int = 0  # (sender, chunk) inputs that arrived in time
+    heard_from: set[str] = field(default_factory=set)  # senders with at least one input in
+    wire_bytes: int = 0  # chunks streamed in from other peers plus differences streamed back
+
+    def __post_init__(self) -> None:
+        self.done = asyncio.Event()  # every chunk averaged (or given up on)
+        self.chunks = chunk_bounds(self.start, self.stop, self.chunk)
+        self.senders = {m.node_id: m.weight for m in self.group.members}
+        self._last_heard = dict.fromkeys(self.senders, time.monotonic())
+        for node_id in self.senders:
+            self.outboxes[node_id] = asyncio.Queue()
+
+    @property
+    def expected_inputs(self) -> int:
+        return len(self.chunks) * len(self.senders)
+
+    @property
+    def finished(self) -> bool:
+        return len(self._done) == len(self.chunks)
+
+    @property
+    def pending(self) -> list[int]:
+        return [i for i in range(len(self.chunks)) if i not in self._done]
+
+    def live(self) -> list[str]:
+        return [s for s in self.senders if s not in self.banned]
+
+    def add(self, sender: str, index: int, values: np.ndarray) -> None:
+        """One sender's chunk. Raises ValueError for chunks that do not fit the layout."""
+        if sender not in self.senders or sender in self.banned or index in self._done:
+            return  # late, excluded, or already averaged without it
+        start, stop = self.chunks[index]
+        if values.shape != (stop - start,):
+            raise ValueError(f"chunk {index} must hold {stop - start} values, got {values.shape}")
+        self._inputs.setdefault(index, {})[sender] = values
+        # Summed as they arrive (float32, like the weights themselves): finishing a chunk is then
+        # one division, and the reduction work spreads over the transfer.
+        weighted = values * np.float32(self.senders[sender])
+        if index in self._sums:
+            self._sums[index] += weighted
+        else:
+            self._sums[index] = weighted
+        self.heard_from.add(sender)
+        self._last_heard[sender] = time.monotonic()
+        self.received += 1
+        self._try_finish(index)
+
+    def ban(self, sender: str, why: str) -> None:
+        if sender in self.banned or sender not in self.senders:
+            return
+        self.banned.add(sender)
+        log.info(
+            "averaging_sender_banned",
+            round=self.group.round,
+            slice=self.slice_index,
+            sender=sender[:12],
+            why=why,
+        )
+        self.outboxes[sender].put_nowait(None)  # nothing more for it
+        for index, inputs in list(self._inputs.items()):
+            if sender in inputs:  # take its share back out of the sum
+                self._sums[index] -= inputs.pop(sender) * np.float32(self.senders[sender])
+            self._try_finish(index)
+
+    def check_deadlines(self) -> None:
+        """Ban live senders that still owe chunks and sent none for ``chunk_timeout_s``.
+
+        Each sender's next chunk is due within the timeout of its previous one (or of the
+        round's start), so a sender that is merely slower than the others -- a thinner uplink,
+        busy returning its own differences -- is never banned, and a dead one is banned one
+        timeout after its last chunk.
+        """
+        now = time.monotonic()
+        for sender in self.live():
+            if now - self._last_heard[sender] < self.chunk_timeout_s:
+                continue
+            owed = [i for i in self.pending if sender not in self._inputs.get(i, {})]
+            if owed:
+                self.ban(sender, f"sent no chunk for {self.chunk_timeout_s:g} s (owes chunk {owed[0]})")
+
+    def _try_finish(self, index: int) -> None:
+        inputs = self._inputs.get(index, {})
+        live = self.live()
+        if index in self._done or not live or any(s not in inputs for s in live):
+            return
+        total = sum(self.senders[s] for s in live)
+        if total > 0:
+            average = self._sums[index] / np.float32(total)
+        else:  # nobody has samples to weigh by: a plain mean
+            average = sum(inputs[s] for s in live) / np.float32(len(live))
+        for sender in live:
+            self.outboxes[sender].put_nowait((index, average - inputs[sender]))
+        self._done.add(index)
+        del self._inputs[index], self._sums[index]
+        if self.finished:
+            for sender in self.live():
+                self.outboxes[sender].put_nowait(None)
+            self.done.set()
+
+
+@dataclass
+class SliceResult:
+    delta: np.ndarray  # average - sent values, where ``received``
+    received: np.ndarray  # bool per value
+    excluded: bool = False  # the reducer refused this peer's group
+    wire_bytes: int = 0  # chunks streamed to a remote reducer plus differences streamed back
+
+
+async def contribute(
+    *,
+    client: RpcClient,
+    local: Callable[[], SliceReduction | None],
+    group: Group,
+    me: str,
+    reducer_address: str,
+    slice_index: int,
+    values: np.ndarray,
+    start: int,
+    chunk: int,
+    deadline: float,
+    compress: bool = True,
+) -> SliceResult:
+    """Send this peer's values of one slice to its reducer; collect the differences back."""
+    stop = start + len(values)
+    chunks = chunk_bounds(start, stop, chunk)
+    result = SliceResult(np.zeros(len(values), np.float32), np.zeros(len(values), bool))
+
+    def take(index: int, difference: np.ndarray) -> None:
+        lo, hi = chunks[index]
+        result.delta[lo - start : hi - start] = difference
+        result.received[lo - start : hi - start] = True
+
+    reduction = local()
+    if reduction is not None:  # this peer reduces the slice itself
+        for index, (lo, hi) in enumerate(chunks):
+            reduction.add(me, index, values[lo - start : hi - start])
+        outbox = reduction.outboxes[me]
+        try:
+            async with asyncio.timeout_at(deadline):
+                while (item := await outbox.get()) is not None:
+                    take(*item)
+        except TimeoutError:
+            pass
+        return result
+    meta = {"round": group.round, "group": group.digest, "slice": slice_index, "sender": me}
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return result
+    try:
+        async with client.open_stream(reducer_address, METHOD, meta, timeout_s=remaining) as stream:
+
+            async def send() -> None:
+                for index, (lo, hi) in enumerate(chunks):
+                    await stream.send(
+                        {"chunk": index}, {"values": values[lo - start : hi - start]}, compress=compress
+                    )
+                    result.wire_bytes += 4 * (hi - lo)
+                await stream.end()
+
+            sender = asyncio.create_task(send())
+            try:
+                async for item in stream:
+                    difference = np.asarray(item.tensors["delta"], dtype=np.float32)
+                    take(int(item.meta["chunk"]), difference)
+                    result.wire_bytes += difference.nbytes
+                await stream.result()
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+    except BadRequest as exc:  # the reducer formed another group: this peer sits the round out
+        result.excluded = True
+        log.info("averaging_excluded", round=group.round, slice=slice_index, error=str(exc))
+    except (RpcError, TimeoutError, KeyError, ValueError) as exc:
+        log.info("averaging_slice_incomplete", round=group.round, slice=slice_index, error=str(exc))
+    return result
+
+
+async def serve_slice(stream, reduction: SliceReduction, sender: str) -> Payload:
+    """The reducer's end of one sender's stream: take its chunks, send its differences."""
+
+    async def receive() -> None:
+        try:
+            async for item in stream:
+                index = item.meta.get("chunk") if isinstance(item.meta, dict) else None
+                values = item.tensors.get("values")
+                if not isinstance(index, int) or not 0 <= index < len(reduction.chunks) or values is None:
+                    raise ValueError("a chunk item is {'chunk': i} with a 'values' tensor")
+                values = np.asarray(values, dtype=np.float32)
+                reduction.wire_bytes += values.nbytes
+                reduction.add(sender, index, values)
+        except (RpcError, ValueError, TypeError) as exc:
+            reduction.ban(sender, f"stream broke: {exc}")
+
+    receiver = asyncio.create_task(receive())
+    outbox = reduction.outboxes[sender]
+    sent = 0
+    try:
+        async with asyncio.timeout_at(reduction.deadline):
+            while (item := await outbox.get()) is not None:
+                index, difference = item
+                await stream.send({"chunk": index}, {"delta": difference}, compress=reduction.compress)
+                reduction.wire_bytes += difference.nbytes
+                sent += 1
+    except TimeoutError:
+        pass
+    finally:
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
+    return Payload({"chunks_returned": sent, "banned": sender in reduction.banned})
+
+
+@dataclass
+class AllReduceResult:
+    delta: np.ndarray  # average - this peer's values, where ``received``
+    received: np.ndarray  # bool per value of the segment
+    excluded: bool  # the reducers refused this peer's group: it averaged nothing
+    reductions: list[SliceReduction]  # the slices this peer reduced
+    wire_bytes: int  # tensor bytes this peer streamed to and from other peers
+
+    @property
+    def expected_inputs(self) -> int:
+        return sum(r.expected_inputs for r in self.reductions)
+
+    @property
+    def reduce_success(self) -> float:
+        """Of the inputs this peer's slices expected, the fraction that arrived in time."""
+        expected = self.expected_inputs
+        return sum(r.received for r in self.reductions) / expected if expected else 1.0
+
+
+class ReductionBoard:
+    """A peer's reducer side: the slice reductions of its running rounds, served over METHOD.
+
+    A sender may reach this peer before this peer formed its group for the round; its stream
+    waits (up to ``early_wait_s``) for the round to open here. Streams for a round that is
+    over, for a group that differs from the reducer's, or for a slice it does not reduce are
+    refused with BadRequest: the sender then knows it was left out.
+    """
+
+    def __init__(self, server: RpcServer, *, early_wait_s: float):
+        self.reductions: dict[tuple[int, int], SliceReduction] = {}
+        self._opened: dict[int, asyncio.Event] = {}
+        self._closed: collections.deque[int] = collections.deque(maxlen=64)  # recent rounds
+        self._early_wait_s = early_wait_s
+        server.register(METHOD, self._on_stream, stream=True)
+
+    def open(self, reductions: list[SliceReduction], round_index: int) -> None:
+        for reduction in reductions:
+            self.reductions[(round_index, reduction.slice_index)] = reduction
+        self._opened.setdefault(round_index, asyncio.Event()).set()
+
+    def close(self, round_index: int) -> None:
+        for key in [k for k in self.reductions if k[0] == round_index]:
+            del self.reductions[key]
+        self._opened.pop(round_index, None)
+        self._closed.append(round_index)
+
+    def running(self) -> list[SliceReduction]:
+        return list(self.reductions.values())
+
+    async def _on_stream(self, stream) -> Payload:
+        meta = stream.request.meta if isinstance(stream.request.meta, dict) else {}
+        round_index, digest, index, sender = (meta.get(k) for k in ("round", "group", "slice", "sender"))
+        if not isinstance(round_index, int) or not isinstance(index, int) or not isinstance(sender, str):
+            raise BadRequest(f"{METHOD} needs round, group, slice and sender")
+        if round_index in self._closed:
+            raise BadRequest(f"excluded from round {round_index}: it is over here (you came late)")
+        opened = self._opened.setdefault(round_index, asyncio.Event())
+        try:
+            async with asyncio.timeout(self._early_wait_s):
+                await opened.wait()
+        except TimeoutError:
+            raise BadRequest(f"round {round_index} is not running here") from None
+        reduction = self.reductions.get((round_index, index))
+        if reduction is None:
+            raise BadRequest(f"this peer does not reduce slice {index} of round {round_index}")
+        if digest != reduction.group.digest or sender not in reduction.senders:
+            raise BadRequest(f"excluded from round {round_index}: you formed a different group (late?)")
+        return await serve_slice(stream, reduction, sender)
+
+
+async def all_reduce(
+    *,
+    board: ReductionBoard,
+    client: RpcClient,
+    group: Group,
+    me: str,
+    values: np.ndarray,
+    chunk_values: int,
+    chunk_timeout_s: float,
+    deadline: float,
+    compress: bool = True,
+) -> AllReduceResult:
+    """One butterfly round of ``values`` (this peer's copy of the segment) within ``group``.
+
+    Reduces this peer's slices (if it is a reducer) while it sends its copies of every slice to
+    their reducers; returns by ``deadline`` (time.monotonic()) with whatever came back.
+    """
+    reducers = group.reducers
+    bounds = slice_bounds(len(values), len(reducers))
+    mine = [
+        SliceReduction(group, index, lo, hi, chunk_values, chunk_timeout_s, deadline, compress)
+        for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
+        if reducer.node_id == me
+    ]
+    board.open(mine, group.round)
+    ticker = asyncio.get_running_loop().create_task(_ban_late_senders(mine, deadline))
+    try:
+        results = await asyncio.gather(
+            *(
+                contribute(
+                    client=client,
+                    local=lambda index=index: board.reductions.get((group.round, index)),
+                    group=group,
+                    me=me,
+                    reducer_address=reducer.address,
+                    slice_index=index,
+                    values=values[lo:hi],
+                    start=lo,
+                    chunk=chunk_values,
+                    deadline=deadline,
+                    compress=compress,
+                )
+                for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
+            )
+        )
+        excluded = any(r.excluded for r in results)
+        # Reducers keep serving the other senders until their slices are done (or time is up);
+        # a peer the others excluded has nobody to serve.
+        if not excluded:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.gather(*(r.done.wait() for r in mine))
+    finally:
+        ticker.cancel()
+        board.close(group.round)
+    delta = np.concatenate([r.delta for r in results])
+    received = np.concatenate([r.received for r in results])
+    if excluded:  # sat this round out: its own slices averaged nobody else's values
+        received[:] = False
+    wire_bytes = sum(r.wire_bytes for r in results) + sum(r.wire_bytes for r in mine)
+    return AllReduceResult(delta, received, excluded, mine, wire_bytes)
+
+
+async def _ban_late_senders(reductions: list[SliceReduction], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        for reduction in reductions:
+            reduction.check_deadlines()
+        await asyncio.sleep(DEADLINE_TICK_S)

@@ -1,0 +1,242 @@
+"""AsyncSPARTA: replicas of a stage average a rotating 1/P of their weights in the background.
+
+Every ``cadence_steps`` optimizer steps a round starts: it snapshots its segment (theta*) on
+the compute thread, forms a group through the DHT, runs the butterfly all-reduce while
+training continues, and applies the delta rule: theta[I] += (average - theta*[I]) under the
+optimizer's lock, so progress made during the round is kept. Optimizer state never travels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from agora_core.config.run import AveragingConfig
+from agora_core.dht import DhtNode
+from agora_core.dht.owned import OwnedEntry
+from agora_core.identity import NodeKey
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import RpcClient, RpcServer
+from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
+from agora_worker.averaging.matchmaking import Matchmaker, Peer
+from agora_worker.averaging.segments import FlatParameters, SegmentLayout
+from agora_worker.optimizer import HostOptimizer
+from agora_worker.runtime import Runtime
+
+log = get_logger("worker.averaging")
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    round: int
+    segment: int
+    group_size: int
+    reduce_success: float  # of the inputs this peer's reducers expected, the fraction received
+    averaging_success: float  # of this peer's segment, the fraction whose average came back
+    seconds: float
+    bytes_moved: int  # tensor bytes streamed to and from other peers
+    excluded: bool = False  # this peer formed a group the reducers did not share
+    steps_during: int = 0  # optimizer steps this peer took while the round ran (kept: delta rule)
+
+
+def summary_key(run: str, stage: int) -> str:
+    return f"{run}/stage/{stage}/averaging/summary"
+
+
+class Averager:
+    def __init__(
+        self,
+        *,
+        config: AveragingConfig,
+        run: str,
+        seed: int,
+        stage: int,
+        key: NodeKey,
+        dht: DhtNode,
+        server: RpcServer,
+        client: RpcClient,
+        runtime: Runtime,
+        optimizer: HostOptimizer,
+        tensors: list,
+        metrics: NodeMetrics,
+        address: Callable[[], str],
+        phase: Callable[[], str],
+    ):
+        self.config = config
+        self._run, self._stage, self._key = run, stage, key
+        self._dht, self._client = dht, client
+        self._runtime, self._optimizer = runtime, optimizer
+        self._address, self._phase = address, phase
+        self.flat = FlatParameters(tensors)
+        self.layout = SegmentLayout(
+            [t.numel() for t in tensors], segments=config.segments, run_seed=seed, stage=stage
+        )
+        self.matchmaker = Matchmaker(dht=dht, key=key, run=run, stage=stage)
+        # Senders may reach this peer before it formed its group: they wait up to one window.
+        self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
+        self._last_round_samples = 0
+        self.active_round: int | None = None
+        self.active_group_size: int | None = None  # once the running round's group is formed
+        self._task: asyncio.Task | None = None
+        self.reports: list[RoundReport] = []
+        self._summary = OwnedEntry(dht, key, summary_key(run, stage))
+        self._m_group = metrics.gauge("agora_averaging_group_size", "Peers in the last averaging round.")
+        self._m_reduce = metrics.gauge(
+            "agora_averaging_reduce_success", "Last round: inputs reducers received."
+        )
+        self._m_average = metrics.gauge(
+            "agora_averaging_success", "Last round: fraction of the segment averaged."
+        )
+        self._m_seconds = metrics.histogram(
+            "agora_averaging_round_seconds",
+            "Averaging round duration.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 150, 300),
+        )
+        self._m_bytes = metrics.counter("agora_averaging_bytes_total", "Bytes this peer streamed in rounds.")
+
+    @property
+    def reducer_eligible(self) -> bool:
+        return self.config.reducers == "all" or self._key.node_id in self.config.reducer_ids
+
+    # --- triggering ------------------------------------------------------------------------------
+
+    def on_step(self, step: int) -> None:
+        """Called after every optimizer step: start a round every ``cadence_steps`` steps."""
+        if not self.config.enabled or step % self.config.cadence_steps:
+            return
+        if self._task is not None and not self._task.done():
+            log.warning("averaging_round_skipped", step=step, reason="the previous round is still running")
+            return
+        self._task = asyncio.get_running_loop().create_task(self.run_round(step // self.config.cadence_steps))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # --- a round ----------------------------------------------------------------------------------
+
+    async def _expected_peers(self) -> set[str]:
+        found = await self._dht.get(stage_workers_key(self._run, self._stage))
+        expected = {self._key.node_id}
+        for value in found.values():
+            try:
+                expected.add(WorkerAnnouncement.from_value(value.value).node_id)
+            except Exception:
+                continue
+        return expected
+
+    def info(self) -> dict:
+        """Where the running round stands (for worker.info: operators, tools and tests)."""
+        reductions = self.board.running()
+        return {
+            "active_round": self.active_round,
+            "group_size": self.active_group_size,
+            "reduced_chunks": sum(len(r.chunks) - len(r.pending) for r in reductions),
+            "heard_from": sorted({s for r in reductions for s in r.heard_from}),
+            "rounds": len(self.reports),
+            "last": asdict(self.reports[-1]) if self.reports else None,
+        }
+
+    async def run_round(self, round_index: int) -> RoundReport:
+        self.active_round = round_index
+        try:
+            return await self._run_round(round_index)
+        finally:
+            self.active_round = self.active_group_size = None
+
+    async def _run_round(self, round_index: int) -> RoundReport:
+        started = time.monotonic()
+        deadline = started + self.config.round_timeout_s
+        segment = round_index % self.config.segments
+        ranges = self.layout.ranges(segment)
+        snapshot, samples, step = await asyncio.wrap_future(
+            self._runtime.call(
+                lambda: (self.flat.read(ranges), self._optimizer.total_samples, self._optimizer.step)
+            )
+        )
+        # Syncing joiners take the average without moving it (ARCHITECTURE §8).
+        syncing = self._phase() in ("weight_sync", "optimizer_sync")
+        weight = 0.0 if syncing else float(samples - self._last_round_samples)
+        self._last_round_samples = samples
+        me = Peer(
+            node_id=self._key.node_id,
+            address=self._address(),
+            weight=weight,
+            reducer=self.reducer_eligible,
+            phase=self._phase(),
+        )
+        try:
+            group = await self.matchmaker.form_group(
+                round_index,
+                me,
+                expected=await self._expected_peers(),
+                window_s=self.config.matchmaking_window_s,
+            )
+        except Exception as exc:  # no group, no round: keep local weights
+            log.warning("averaging_matchmaking_failed", round=round_index, error=str(exc))
+            return self._finish(RoundReport(round_index, segment, 1, 0.0, 0.0, time.monotonic() - started, 0))
+        if len(group.members) < 2 or not group.reducers:
+            return self._finish(
+                RoundReport(round_index, segment, len(group.members), 1.0, 0.0, time.monotonic() - started, 0)
+            )
+        self.active_group_size = len(group.members)
+        result = await all_reduce(
+            board=self.board,
+            client=self._client,
+            group=group,
+            me=me.node_id,
+            values=snapshot,
+            chunk_values=max(1, self.config.chunk_bytes // 4),
+            chunk_timeout_s=self.config.chunk_timeout_s,
+            deadline=deadline,
+            compress=self.config.compression == "auto",
+        )
+        steps_during = (
+            await asyncio.wrap_future(
+                self._runtime.call(lambda: self._apply(ranges, result.delta, result.received))
+            )
+            - step
+        )
+        report = RoundReport(
+            round=round_index,
+            segment=segment,
+            group_size=len(group.members),
+            reduce_success=result.reduce_success,
+            averaging_success=float(result.received.mean()) if len(result.received) else 1.0,
+            seconds=time.monotonic() - started,
+            bytes_moved=result.wire_bytes,
+            excluded=result.excluded,
+            steps_during=steps_during,
+        )
+        return self._finish(report)
+
+    def _apply(self, ranges, delta: np.ndarray, received: np.ndarray) -> int:
+        """The delta rule, on the compute thread, under the optimizer's lock."""
+        with self._optimizer.lock:
+            self.flat.add(ranges, delta, received)
+            self._optimizer.sync_compute()
+            return self._optimizer.step
+
+    def _finish(self, report: RoundReport) -> RoundReport:
+        self.reports.append(report)
+        self._m_group.set(report.group_size)
+        self._m_reduce.set(report.reduce_success)
+        self._m_average.set(report.averaging_success)
+        self._m_seconds.observe(report.seconds)
+        self._m_bytes.inc(report.bytes_moved)
+        log.info("averaging_round", **asdict(report))
+        asyncio.get_running_loop().create_task(self._publish(report))
+        return report
+
+    async def _publish(self, report: RoundReport) -> None:
+        try:
+            await self._summary.publish(asdict(report), max(3 * self.config.round_timeout_s, 60.0))
+        except Exception as exc:  # bookkeeping only: the round itself is done
+            log.info("averaging_summary_unpublished", error=str(exc))

@@ -1,0 +1,93 @@
+"""Matchmaking: who averages together in a round, in an order every member derives alike.
+
+Each peer announces itself for the round under its own signed subkey of the round's DHT key
+(address, weight = samples since its last round, whether it may reduce, its phase) and reads
+the others' until the stage's expected workers are all there or the window closes. The group
+is what it then sees, ordered by node id; its hash travels with every stream, so a peer that
+formed a different group (it came late, or saw a straggler the others did not) is refused by
+the reducers and told so, and averages nothing this round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+from agora_core.dht import DhtNode
+from agora_core.dht.owned import OwnedEntry
+from agora_core.identity import NodeKey
+
+
+def round_key(run: str, stage: int, round_index: int) -> str:
+    return f"{run}/stage/{stage}/averaging/{round_index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peer:
+    node_id: str
+    address: str
+    weight: float  # samples processed since its last round; 0 for peers in weight sync
+    reducer: bool  # may reduce a slice
+    phase: str
+
+    @classmethod
+    def from_value(cls, value: object) -> Peer | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            peer = cls(
+                node_id=str(value["node_id"]),
+                address=str(value["address"]),
+                weight=float(value["weight"]),
+                reducer=bool(value["reducer"]),
+                phase=str(value["phase"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return peer if peer.weight >= 0 else None
+
+
+@dataclass(frozen=True)
+class Group:
+    round: int
+    members: tuple[Peer, ...]  # ordered by node id
+
+    @property
+    def reducers(self) -> tuple[Peer, ...]:
+        return tuple(m for m in self.members if m.reducer)
+
+    @property
+    def digest(self) -> str:
+        """Identifies the layout: members, their weights and who reduces."""
+        text = repr([(m.node_id, m.weight, m.reducer) for m in self.members])
+        return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+    def member(self, node_id: str) -> Peer | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+
+class Matchmaker:
+    def __init__(self, *, dht: DhtNode, key: NodeKey, run: str, stage: int, poll_s: float = 0.05):
+        self._dht = dht
+        self._key = key
+        self._run = run
+        self._stage = stage
+        self._poll_s = poll_s
+
+    async def form_group(self, round_index: int, me: Peer, *, expected: set[str], window_s: float) -> Group:
+        """Announce ``me`` and return the round's group (``me`` is always in it)."""
+        entry = OwnedEntry(self._dht, self._key, round_key(self._run, self._stage, round_index))
+        await entry.publish(asdict(me), max(3 * window_s, 30.0))
+        deadline = time.monotonic() + window_s
+        while True:
+            peers = {}
+            for value in (await entry.read_all()).values():
+                peer = Peer.from_value(value.value)
+                if peer is not None:
+                    peers[peer.node_id] = peer
+            peers[me.node_id] = me
+            if expected <= peers.keys() or time.monotonic() >= deadline:
+                return Group(round_index, tuple(sorted(peers.values(), key=lambda p: p.node_id)))
+            await asyncio.sleep(self._poll_s)

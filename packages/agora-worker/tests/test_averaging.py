@@ -1,0 +1,362 @@
+"""AsyncSPARTA rounds among real worker processes on 127.0.0.1 (surrogate stages).
+
+Four replicas of stage 1 train on different samples so their weights differ (their dummy
+parameters start at each replica's own random values), then average one segment. Rounds are
+started by hand (``averaging.start``) so each test controls when they run; every wait is on a
+condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from agora_core.config import load_run_config
+from agora_core.dht import DhtNode
+from agora_core.identity import NodeKey
+from agora_core.rpc import RpcClient
+from agora_core.testing import ChildProcess, poll_until, spawn_python
+from agora_worker.averaging.segments import SegmentLayout
+
+pytestmark = pytest.mark.slow
+STAGE = 1
+DUMMY = 400_000
+RUN = """
+name = "avg-test"
+seed = 5
+[model]
+kind = "surrogate"
+d_model = 32
+n_heads = 2
+subspace_rank = 4
+vocab_size = 256
+seq_len = 8
+stage_layers = [1, 1, 1]
+[model.surrogate]
+dummy_parameters = {dummy}
+[optimizer]
+target_batch_size = 8
+warmup_steps = 0
+lr = 0.01
+[averaging]
+segments = 4
+cadence_steps = 100000
+matchmaking_window_s = {window}
+round_timeout_s = 20.0
+chunk_timeout_s = 4.0
+chunk_bytes = {chunk_bytes}
+reducers = "{reducers}"
+reducer_ids = {reducer_ids}
+[dht]
+gossip_period_s = 0.5
+probe_timeout_s = 0.45
+suspicion_timeout_s = 5.0
+op_timeout_s = 3.0
+"""
+
+
+@dataclass
+class Replica:
+    child: ChildProcess
+    node_id: str
+    address: str
+
+
+class Cluster:
+    def __init__(self, tmp, seed: DhtNode, client: RpcClient, stack: contextlib.ExitStack, config_path):
+        self.tmp, self.seed, self.client, self.stack, self.config_path = tmp, seed, client, stack, config_path
+        self.replicas: list[Replica] = []
+        run = load_run_config(config_path)
+        self.layout = SegmentLayout(
+            [16, 4, DUMMY], segments=run.averaging.segments, run_seed=run.seed, stage=STAGE
+        )
+
+    async def start(self, key_files: list[str], extra: list[list[str]]) -> None:
+        async def one(key_file: str, args: list[str]) -> Replica:
+            command = [
+                "-m",
+                "agora_worker",
+                "run",
+                "--config",
+                str(self.config_path),
+                "--stage",
+                str(STAGE),
+                "--bootstrap",
+                self.seed.address,
+                "--device",
+                "cpu",
+                "--key-file",
+                key_file,
+                "--progress-interval",
+                "0.05",
+                "--announce-interval",
+                "0.2",
+                *args,
+            ]
+            child = self.stack.enter_context(spawn_python(command, env={"AGORA_LOG_LEVEL": "warning"}))
+            node_id = await asyncio.to_thread(child.read_until, "  node id    ")
+            address = await asyncio.to_thread(child.read_until, "  serving    ")
+            return Replica(child, node_id, address)
+
+        self.replicas = list(
+            await asyncio.gather(*(one(k, a) for k, a in zip(key_files, extra, strict=True)))
+        )
+
+    async def call(self, replica: Replica, method: str, meta=None, tensors=None, timeout_s: float = 30):
+        return await self.client.call(replica.address, method, meta, tensors, timeout_s=timeout_s)
+
+    async def train(self, replica: Replica, samples: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(samples):
+            tensors = {
+                "tokens": rng.integers(0, 256, (1, 8), dtype=np.int64),
+                "boundary": rng.standard_normal((1, 8, 4), dtype=np.float32),
+                "grad": rng.standard_normal((1, 8, 4), dtype=np.float32),
+            }
+            await self.call(replica, "backward", {"stage": STAGE}, tensors)
+
+    async def wait(self, predicate, what: str, timeout_s: float = 30) -> None:
+        await poll_until(predicate, timeout_s=timeout_s, what=what)
+
+    async def infos(self, replicas: list[Replica] | None = None) -> list[dict]:
+        return [await self.info(r) for r in replicas or self.replicas]
+
+    async def info(self, replica: Replica) -> dict:
+        return (await self.call(replica, "worker.info")).meta
+
+    async def params(self, replica: Replica) -> tuple[np.ndarray, int]:
+        reply = await self.call(replica, "worker.parameters")
+        return np.array(reply.tensors["values"]), reply.meta["total_samples"]
+
+    async def train_to_first_step(self, samples: list[int]) -> None:
+        """Each replica trains on its own samples; the stage steps once when they add up."""
+        await asyncio.gather(
+            *(self.train(r, n, seed=i) for i, (r, n) in enumerate(zip(self.replicas, samples, strict=True)))
+        )
+
+        async def stepped():
+            return all(info["step"] >= 1 for info in await self.infos())
+
+        await self.wait(stepped, "the stage's first step")
+
+    async def ready(self, key_files: list[str], extra: list[list[str]], samples: list[int]) -> list:
+        """Start the replicas, train them to the stage's first step; their (values, samples)."""
+        await self.start(key_files, extra)
+        await self.train_to_first_step(samples)
+        return [await self.params(r) for r in self.replicas]
+
+    def segment_mask(self, segment: int) -> np.ndarray:
+        mask = np.zeros(self.layout.total, bool)
+        for start, stop in self.layout.ranges(segment):
+            mask[start:stop] = True
+        return mask
+
+    @property
+    def trained_segment(self) -> int:
+        """The segment holding flat index 0, where the trained weights are."""
+        return next(s for s in range(self.layout.segments) if self.layout.ranges(s)[0][0] == 0)
+
+    async def round(self, replicas: list[Replica], index: int) -> list[dict]:
+        replies = await asyncio.gather(
+            *(self.call(r, "averaging.start", {"round": index}, timeout_s=30) for r in replicas)
+        )
+        return [reply.meta for reply in replies]
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    tmp_path,
+    *,
+    window: float = 3.0,
+    reducers: str = "all",
+    reducer_ids: list[str] = (),
+    chunk_bytes: int = 8192,
+):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        RUN.format(
+            dummy=DUMMY,
+            window=window,
+            chunk_bytes=chunk_bytes,
+            reducers=reducers,
+            reducer_ids=list(reducer_ids) and [str(i) for i in reducer_ids],
+        ).replace("'", '"')
+    )
+    run = load_run_config(config)
+    seed = DhtNode(key=NodeKey.generate(), config=run.dht)
+    await seed.start()
+    stack = contextlib.ExitStack()
+    client = RpcClient()
+    try:
+        yield Cluster(tmp_path, seed, client, stack, config)
+    finally:
+        await client.close()
+        stack.close()
+        await seed.stop()
+
+
+def keys(tmp_path, count: int) -> tuple[list[str], list[str]]:
+    """Key files made ahead, so the node ids can go into the run config."""
+    paths, ids = [], []
+    for i in range(count):
+        key = NodeKey.generate()
+        paths.append(str(key.save(tmp_path / f"replica{i}.key")))
+        ids.append(key.node_id)
+    return paths, ids
+
+
+def weighted_mean(values: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    return sum(w * v.astype(np.float64) for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+
+async def test_a_clean_round_gives_every_replica_the_sample_weighted_mean_of_one_segment(tmp_path):
+    async with cluster(tmp_path) as c:
+        paths, _ids = keys(tmp_path, 4)
+        before = await c.ready(paths, [[]] * 4, [1, 2, 3, 4])
+        values, weights = [v for v, _ in before], [float(n) for _, n in before]
+        assert weights == [1.0, 2.0, 3.0, 4.0]
+        assert not np.allclose(values[0][:20], values[1][:20])  # training made them differ
+        segment = c.trained_segment
+        reports = await c.round(c.replicas, segment)
+        mask = c.segment_mask(segment)
+        expected = weighted_mean(values, weights)
+        for (old, _), replica, report in zip(before, c.replicas, reports, strict=True):
+            new, _ = await c.params(replica)
+            np.testing.assert_allclose(new[mask], expected[mask], rtol=1e-5, atol=1e-6)
+            assert np.array_equal(new[~mask], old[~mask])  # untouched coordinates unchanged
+            assert report["group_size"] == 4 and report["averaging_success"] == 1.0
+            assert report["reduce_success"] == 1.0 and not report["excluded"]
+
+
+async def test_a_weight_zero_peer_takes_the_average_without_moving_it(tmp_path):
+    async with cluster(tmp_path) as c:
+        paths, _ids = keys(tmp_path, 4)
+        before = await c.ready(paths, [[], [], [], ["--phase", "weight_sync"]], [3, 3, 2, 0])
+        segment = c.trained_segment
+        await c.round(c.replicas, segment)
+        mask = c.segment_mask(segment)
+        expected = weighted_mean([v for v, _ in before[:3]], [3.0, 3.0, 2.0])  # without the syncing peer
+        for replica in c.replicas:
+            new, _ = await c.params(replica)
+            np.testing.assert_allclose(new[mask], expected[mask], rtol=1e-5, atol=1e-6)
+
+
+async def test_steps_taken_during_a_round_are_kept_by_the_delta_rule(tmp_path):
+    async with cluster(tmp_path, window=12.0) as c:
+        paths, _ids = keys(tmp_path, 4)
+        before = await c.ready(paths, [[]] * 4, [2, 2, 2, 2])
+        segment = c.trained_segment
+        # Three replicas snapshot their segment and wait in matchmaking for the fourth ...
+        first = asyncio.gather(*(c.round([r], segment) for r in c.replicas[:3]))
+
+        async def waiting():
+            infos = await c.infos(c.replicas[:3])
+            return all(i["averaging"]["active_round"] == segment for i in infos)
+
+        await c.wait(waiting, "three replicas to be in the round")
+        # ... while replica 0 trains a whole batch by itself: the stage steps, only replica 0 moves
+        await c.train(c.replicas[0], 8, seed=99)
+
+        async def stepped():
+            return (await c.info(c.replicas[0]))["step"] >= 2
+
+        await c.wait(stepped, "replica 0's second step")
+        last = await c.round([c.replicas[3]], segment)
+        reports = [r for [r] in await first] + last
+        assert reports[0]["steps_during"] >= 1 and reports[0]["averaging_success"] == 1.0
+        mask = c.segment_mask(segment)
+        average = weighted_mean([v for v, _ in before], [2.0] * 4)
+        new = [(await c.params(r))[0] for r in c.replicas]
+        for other in new[1:]:
+            np.testing.assert_allclose(other[mask], average[mask], rtol=1e-5, atol=1e-6)
+        kept = new[0][mask] - average[mask]  # replica 0 = the average plus its own step
+        assert np.abs(kept[:20]).max() > 1e-4  # its trained weights kept the step ...
+        np.testing.assert_allclose(kept[20:], 0.0, atol=1e-6)  # ... dummy weights do not train
+
+
+def agree(values: list[np.ndarray], mask: np.ndarray) -> None:
+    for other in values[1:]:
+        np.testing.assert_allclose(other[mask], values[0][mask], rtol=1e-5, atol=1e-6)
+
+
+async def test_a_sender_killed_mid_send_leaves_the_survivors_averaged_among_themselves(tmp_path):
+    paths, ids = keys(tmp_path, 4)
+    async with cluster(tmp_path, window=6.0, reducers="listed", reducer_ids=ids[:2], chunk_bytes=4096) as c:
+        # replica 3 only sends, over a 100 ms link: stream credit paces its ~100 chunks over seconds
+        before = await c.ready(paths, [[], [], [], ["--link", "latency=100ms"]], [2, 2, 2, 2])
+        segment = c.trained_segment
+        victim = c.replicas[3]
+        rounds = [asyncio.create_task(c.round([r], segment)) for r in c.replicas]
+
+        async def victim_heard():
+            infos = await c.infos(c.replicas[:2])
+            return any(victim.node_id in i["averaging"]["heard_from"] for i in infos)
+
+        await c.wait(victim_heard, "a reducer to have the victim's first chunk")
+        victim.child.kill()  # the rest of its chunks are still on its slow uplink
+        results = [report for [report] in await asyncio.gather(*rounds[:3])]
+        await asyncio.gather(rounds[3], return_exceptions=True)
+        mask = c.segment_mask(segment)
+        new = [(await c.params(r))[0] for r in c.replicas[:3]]
+        agree(new, mask)
+        among_survivors = weighted_mean([v for v, _ in before[:3]], [2.0] * 3)
+        with_victim = weighted_mean([v for v, _ in before], [2.0] * 4)
+        three = np.isclose(new[0], among_survivors, rtol=1e-5, atol=1e-6)
+        four = np.isclose(new[0], with_victim, rtol=1e-5, atol=1e-6)
+        # chunks completed before the kill include the victim; every later one is the survivors'
+        assert (three | four)[mask].all()
+        assert three[mask].mean() > 0.25, three[mask].mean()
+        for report in results:
+            assert report["averaging_success"] == 1.0 and report["seconds"] < 20.0
+        assert min(report["reduce_success"] for report in results[:2]) < 1.0  # reducers missed some
+
+
+async def test_a_reducer_killed_mid_round_leaves_its_slice_local_and_the_next_round_completes(tmp_path):
+    paths, ids = keys(tmp_path, 4)
+    async with cluster(tmp_path, window=4.0, reducers="listed", reducer_ids=ids[:2], chunk_bytes=4096) as c:
+        # reducer 1 is 100 ms away: stream credit paces the others' chunks to it over seconds
+        before = await c.ready(paths, [[], ["--link", "latency=100ms"], [], []], [2, 2, 2, 2])
+        segment = c.trained_segment
+        victim = c.replicas[1]
+        survivors = [c.replicas[i] for i in (0, 2, 3)]
+        rounds = [asyncio.create_task(c.round([r], segment)) for r in c.replicas]
+
+        async def group_formed():
+            infos = await c.infos(survivors)
+            return all(i["averaging"]["group_size"] == 4 for i in infos)
+
+        await c.wait(group_formed, "the survivors to form the group of four")
+        victim.child.kill()
+        results = [report for [report] in await asyncio.gather(*(rounds[i] for i in (0, 2, 3)))]
+        await asyncio.gather(rounds[1], return_exceptions=True)
+        mask = c.segment_mask(segment)
+        for replica, (old, _), report in zip(survivors, [before[i] for i in (0, 2, 3)], results, strict=True):
+            assert 0.0 < report["averaging_success"] < 1.0, report  # reducer 0's slice came back only
+            new, _ = await c.params(replica)
+            changed = ~np.isclose(new, old, rtol=0, atol=1e-7)
+            assert changed[mask].any() and not changed[~mask].any()
+        # the next round, among the three survivors, completes
+        nxt = [report for [report] in await asyncio.gather(*(c.round([r], segment + 4) for r in survivors))]
+        assert all(r["group_size"] == 3 and r["averaging_success"] == 1.0 for r in nxt), nxt
+
+
+async def test_a_peer_that_comes_late_is_excluded_and_keeps_its_weights(tmp_path):
+    async with cluster(tmp_path, window=1.5) as c:
+        paths, _ids = keys(tmp_path, 4)
+        before = await c.ready(paths, [[]] * 4, [2, 2, 2, 2])
+        segment = c.trained_segment
+        early = await c.round(c.replicas[:3], segment)  # they wait the window for the 4th, then go
+        late = (await c.round(c.replicas[3:], segment))[0]
+        assert [r["group_size"] for r in early] == [3, 3, 3]
+        assert late["excluded"] and late["averaging_success"] == 0.0
+        new_late, _ = await c.params(c.replicas[3])
+        assert np.array_equal(new_late, before[3][0])
+        mask = c.segment_mask(segment)
+        expected = weighted_mean([v for v, _ in before[:3]], [2.0] * 3)
+        np.testing.assert_allclose(
+            (await c.params(c.replicas[0]))[0][mask], expected[mask], rtol=1e-5, atol=1e-6
+        )

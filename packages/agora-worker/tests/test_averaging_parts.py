@@ -1,0 +1,131 @@
+"""Averaging parts without a network: segments, flat parameter access, the reducer's sums."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from agora_worker.averaging.allreduce import SliceReduction, chunk_bounds, slice_bounds
+from agora_worker.averaging.matchmaking import Group, Peer
+from agora_worker.averaging.segments import FlatParameters, SegmentLayout
+
+
+def test_segments_partition_the_vector_and_agree_across_replicas():
+    sizes = [5000, 12, 30000, 7]
+    a = SegmentLayout(sizes, segments=5, run_seed=1, stage=2, block=1000)
+    b = SegmentLayout(sizes, segments=5, run_seed=1, stage=2, block=1000)
+    covered = np.zeros(a.total, dtype=int)
+    for segment in range(5):
+        assert a.ranges(segment) == b.ranges(segment)
+        for start, stop in a.ranges(segment):
+            covered[start:stop] += 1
+    assert (covered == 1).all()  # every weight in exactly one segment
+    assert abs(a.length(0) - a.total / 5) <= 2 * 1000
+    other = SegmentLayout(sizes, segments=5, run_seed=1, stage=3, block=1000)
+    assert any(a.ranges(s) != other.ranges(s) for s in range(5))  # each stage its own order
+
+
+def test_flat_parameters_read_and_add_across_tensor_boundaries():
+    tensors = [torch.arange(6.0), torch.arange(10.0, 14.0).view(2, 2), torch.zeros(3)]
+    flat = FlatParameters(tensors)
+    ranges = [(4, 8), (9, 13)]  # crosses from the first tensor into the second, then the third
+    assert flat.read(ranges).tolist() == [4.0, 5.0, 10.0, 11.0, 13.0, 0.0, 0.0, 0.0]
+    delta = np.ones(8, dtype=np.float32)
+    mask = np.array([True, True, True, True, False, True, True, True])
+    flat.add(ranges, delta, mask)
+    assert tensors[0].tolist() == [0.0, 1.0, 2.0, 3.0, 5.0, 6.0]
+    assert tensors[1].view(-1).tolist() == [11.0, 12.0, 12.0, 13.0]  # 13 was masked out
+    assert tensors[2].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_delta_rule_keeps_progress_made_during_the_round():
+    theta = [torch.tensor([1.0, 2.0, 3.0])]
+    flat = FlatParameters(theta)
+    snapshot = flat.read([(0, 3)])  # theta* at the round's start
+    theta[0] += torch.tensor([0.5, 0.0, -0.5])  # a training step during the round
+    average = np.array([2.0, 2.0, 2.0], dtype=np.float32)
+    flat.add([(0, 3)], average - snapshot)
+    assert theta[0].tolist() == [2.5, 2.0, 1.5]  # average + the local step
+
+
+def group(*weights: float) -> Group:
+    members = tuple(
+        Peer(node_id=f"n{i}", address="", weight=w, reducer=True, phase="serving")
+        for i, w in enumerate(weights)
+    )
+    return Group(1, members)
+
+
+async def drain(reduction: SliceReduction, sender: str) -> dict[int, np.ndarray]:
+    out = {}
+    queue = reduction.outboxes[sender]
+    while not queue.empty():
+        item = queue.get_nowait()
+        if item is None:
+            break
+        out[item[0]] = item[1]
+    return out
+
+
+async def test_reducer_returns_weighted_average_minus_each_senders_values():
+    g = group(1.0, 3.0, 0.0)  # n2 is in weight sync: it receives the average, does not move it
+    reduction = SliceReduction(g, 0, 0, 6, 4, chunk_timeout_s=5.0, deadline=1e18)
+    values = {
+        "n0": np.full(6, 1.0, np.float32),
+        "n1": np.full(6, 5.0, np.float32),
+        "n2": np.full(6, 100.0, np.float32),
+    }
+    for index, (lo, hi) in enumerate(reduction.chunks):
+        for sender, v in values.items():
+            reduction.add(sender, index, v[lo:hi])
+    assert reduction.finished and reduction.done.is_set()
+    average = (1.0 * 1 + 3.0 * 5) / 4
+    for sender, v in values.items():
+        got = await drain(reduction, sender)
+        delta = np.concatenate([got[i] for i in range(len(reduction.chunks))])
+        np.testing.assert_allclose(v + delta, average)
+    assert reduction.received == reduction.expected_inputs == 6
+
+
+async def test_a_sender_past_its_chunk_deadline_is_banned_and_the_rest_averaged():
+    reduction = SliceReduction(group(1.0, 1.0, 1.0), 0, 0, 4, 4, chunk_timeout_s=0.0, deadline=1e18)
+    reduction.add("n0", 0, np.zeros(4, np.float32))
+    reduction.add("n1", 0, np.full(4, 2.0, np.float32))
+    assert not reduction.finished
+    reduction.check_deadlines()  # n2 never sent: banned, chunk averaged over n0 and n1
+    assert reduction.banned == {"n2"} and reduction.finished
+    assert (await drain(reduction, "n0"))[0].tolist() == [1.0] * 4
+    assert reduction.received == 2 and reduction.expected_inputs == 3
+    with pytest.raises(ValueError):
+        SliceReduction(group(1.0), 0, 0, 4, 4, 1.0, 1e18).add("n0", 0, np.zeros(3, np.float32))
+
+
+def test_slices_and_chunks_tile_the_segment():
+    assert slice_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert chunk_bounds(3, 10, 4) == [(3, 7), (7, 10)]
+
+
+async def test_a_banned_sender_is_taken_out_of_chunks_it_already_sent():
+    reduction = SliceReduction(group(1.0, 1.0, 2.0), 0, 0, 8, 4, chunk_timeout_s=60.0, deadline=1e18)
+    reduction.add("n2", 1, np.full(4, 50.0, np.float32))  # its second chunk, then it goes silent
+    reduction.add("n0", 1, np.full(4, 1.0, np.float32))
+    reduction.check_deadlines()  # well within the timeout: nobody is banned yet
+    assert not reduction.banned and reduction.pending == [0, 1]
+    reduction.ban("n2", "its stream broke")
+    reduction.add("n1", 1, np.full(4, 3.0, np.float32))
+    assert reduction.pending == [0]  # chunk 1 finished over n0 and n1, without n2's 50s
+    assert (await drain(reduction, "n0"))[1].tolist() == [1.0] * 4  # average 2 minus n0's 1
+
+
+async def test_a_slow_sender_that_keeps_sending_is_not_banned():
+    reduction = SliceReduction(group(1.0, 1.0), 0, 0, 12, 4, chunk_timeout_s=0.2, deadline=1e18)
+    for index in range(3):
+        reduction.add("n0", index, np.zeros(4, np.float32))
+    for index in range(3):  # n1 lags the fast sender by more than the timeout, chunk after chunk
+        await asyncio.sleep(0.15)
+        reduction.check_deadlines()
+        reduction.add("n1", index, np.ones(4, np.float32))
+    assert not reduction.banned and reduction.finished

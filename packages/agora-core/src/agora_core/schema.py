@@ -77,6 +77,7 @@ class StageProgress:
     node_id: str
     step: int
     samples: int
+    address: str = ""  # where to poke the worker when a peer steps ("" in older reports)
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -85,10 +86,14 @@ class StageProgress:
     def from_value(cls, value: Any) -> StageProgress:
         if not isinstance(value, dict):
             raise RecordRejected("a stage progress report must be a map")
+        address = value.get("address", "")
+        if not isinstance(address, str):
+            raise RecordRejected("field 'address' has the wrong type")
         progress = cls(
             node_id=_field(value, "node_id", str),
             step=_field(value, "step", int),
             samples=_field(value, "samples", int),
+            address=address,
         )
         if progress.step < 0 or progress.samples < 0:
             raise RecordRejected("step and samples must be non-negative")

@@ -90,6 +90,12 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
     "--state-file", help="Where the position in the shards is kept (default: in the shards folder)."
 )
 @click.option(
+    "--backward-routing",
+    type=click.Choice(["pinned", "random"]),
+    help="pinned (default): a backward goes to the worker that ran its forward; random: ablation only.",
+)
+@click.option("--loss-log", help="Append one JSON line per completed sample (id, loss, time) to this file.")
+@click.option(
     "--refresh-interval", "refresh_interval_s", type=float, help="Seconds between worker-list refreshes."
 )
 @click.option(
@@ -110,6 +116,8 @@ def run(
     lanes,
     max_samples,
     state_file,
+    loss_log,
+    backward_routing,
     refresh_interval_s,
     progress_interval_s,
     status_interval_s,
@@ -123,6 +131,8 @@ def run(
             "lanes": lanes,
             "max_samples": max_samples,
             "state_file": state_file,
+            "loss_log": loss_log,
+            "backward_routing": backward_routing,
             "refresh_interval_s": refresh_interval_s,
             "progress_interval_s": progress_interval_s,
         }

@@ -53,6 +53,10 @@ class RoutingConfig:
     request_timeout_s: float = 30.0
     max_attempts: int = 5  # per hop, across workers
     wait_for_worker_s: float = 30.0  # how long a hop waits for its stage to have a worker
+    # Send each backward to the worker that ran the sample's forward (the paper's finding: a
+    # backward through another replica's weights hurts). False: any worker, by the balancer --
+    # for the ablation benchmark only.
+    pin_backward: bool = True
 
 
 class PipelineRouter:
@@ -161,7 +165,8 @@ class PipelineRouter:
             tensors = {"tokens": inputs, "grad": grad}
             if sent is not None:
                 tensors["boundary"] = sent
-            worker, reply = await self._call(lane, stage, "backward", tensors, pinned=forward_worker)
+            pinned = forward_worker if self._config.pin_backward else None
+            worker, reply = await self._call(lane, stage, "backward", tensors, pinned=pinned)
             if worker.node_id != forward_worker.node_id:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")

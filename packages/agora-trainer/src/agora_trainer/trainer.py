@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class TrainerSettings:
     wait_for_workers_s: float = 120.0  # at start, and per call, for a stage to have a worker
     max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
     state_file: str | None = None  # where the shard position is kept (default: in --shards)
+    loss_log: str | None = None  # JSON lines file: one {"id", "loss", "t"} per completed sample
+    backward_routing: str = "pinned"  # "random": backward to any replica (ablation only)
 
     def __post_init__(self) -> None:
         require(self.lanes >= 1, "lanes", "must be >= 1")
@@ -59,6 +62,7 @@ class TrainerSettings:
         for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_workers_s"):
             require(getattr(self, name) > 0, name, "must be positive")
         require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
         require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
 
 
@@ -112,6 +116,7 @@ class Trainer:
             request_timeout_s=run.transport.request_timeout_s,
             max_attempts=self.settings.max_attempts,
             wait_for_worker_s=self.settings.wait_for_workers_s,
+            pin_backward=self.settings.backward_routing == "pinned",
         )
         self.router = PipelineRouter(self.client, self.balancers, routing, self.counters, self.metrics)
         self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
@@ -126,6 +131,8 @@ class Trainer:
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
         self.started_at = time.monotonic()
+        # Appended per sample and flushed, so tools can follow it and a crash loses nothing.
+        self._loss_log = open(self.settings.loss_log, "a", buffering=1) if self.settings.loss_log else None
         m = self.metrics
         self._m_loss = m.gauge("agora_trainer_loss", "Loss, exponential moving average.")
         self._m_samples = m.counter("agora_trainer_samples_total", "Samples, by outcome.", ["outcome"])
@@ -157,6 +164,8 @@ class Trainer:
 
     async def close(self) -> None:
         self.cursor.save()
+        if self._loss_log is not None:
+            self._loss_log.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -258,6 +267,8 @@ class Trainer:
         self.loss_last = loss
         self.loss_ema = loss if self.loss_ema is None else LOSS_EMA * self.loss_ema + (1 - LOSS_EMA) * loss
         self._m_loss.set(self.loss_ema)
+        if self._loss_log is not None:
+            self._loss_log.write(json.dumps({"id": sample.id, "loss": loss, "t": time.time()}) + "\n")
         self._m_samples.labels(outcome="completed").inc()
         self._m_tokens.inc(tokens)
 

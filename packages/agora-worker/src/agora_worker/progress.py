@@ -10,6 +10,7 @@ the DHT shows, and a worker that missed the moment catches up as soon as it sees
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from agora_core.dht import DhtError, DhtNode
@@ -34,29 +35,58 @@ class StageProgressTracker:
         interval_s: float,
         local: Callable[[], tuple[int, int]],
         take_step: Callable[[], Awaitable[object]],
+        address: Callable[[], str] = lambda: "",
+        poke: Callable[[str], Awaitable[object]] | None = None,
     ):
-        """``local()`` gives this worker's (step, accumulated samples); ``take_step()`` steps."""
+        """``local()`` gives this worker's (step, accumulated samples); ``take_step()`` steps.
+        With ``poke(address)``, a worker that steps pokes its peers at their ``address()``, so
+        they check at once instead of at their next tick."""
         self._key = key
         self._entry = OwnedEntry(dht, key, stage_progress_key(run, stage))
         self._target = target_batch_size
         self._interval_s = interval_s
         self._local = local
         self._take_step = take_step
+        self._address = address
+        self._poke = poke
+        self._peer_addresses: list[str] = []
         self.stage_samples = 0  # what the stage holds toward this worker's current step
         self.peers = 0
+        self._others = 0  # the other workers' samples at this worker's step, as last read
+        self._wake = asyncio.Event()
 
     def decide(self, reports: list[StageProgress]) -> bool:
         """Whether to step now, given the stage's reports (this worker's own included)."""
         step, samples = self._local()
         at_step = [r for r in reports if r.step == step and r.node_id != self._key.node_id]
+        self._peer_addresses = [r.address for r in reports if r.node_id != self._key.node_id and r.address]
         self.peers = len(at_step)
-        self.stage_samples = samples + sum(r.samples for r in at_step)
+        self._others = sum(r.samples for r in at_step)
+        self.stage_samples = samples + self._others
         behind = any(r.step > step for r in reports)
         return behind or (samples > 0 and self.stage_samples >= self._target)
 
+    def poked(self) -> None:
+        """A peer stepped: look now."""
+        self._wake.set()
+
+    def accumulated(self) -> None:
+        """A backward just landed here. If the stage now holds a batch by the last reading,
+        check at once instead of at the next tick: a step that waits for the tick takes in
+        extra samples (fewer, larger steps than the schedule assumes)."""
+        _step, samples = self._local()
+        if samples + self._others >= self._target:
+            self._wake.set()
+
+    async def _quiet_poke(self, address: str) -> None:
+        try:
+            await self._poke(address)
+        except (RpcError, TimeoutError) as exc:  # a hint only: the peer's tick still comes
+            log.debug("progress_poke_failed", address=address, error=str(exc))
+
     async def publish(self) -> None:
         step, samples = self._local()
-        report = StageProgress(node_id=self._key.node_id, step=step, samples=samples)
+        report = StageProgress(node_id=self._key.node_id, step=step, samples=samples, address=self._address())
         await self._entry.publish(report.to_value(), max(10 * self._interval_s, 5.0))
 
     async def read(self) -> list[StageProgress]:
@@ -72,11 +102,19 @@ class StageProgressTracker:
         """Publish, read, decide, every ``interval_s``, until cancelled."""
         while True:
             try:
-                await self.publish()
-                if self.decide(await self.read()):
+                # decide() takes this worker's own counts from local(), so the read need not
+                # wait for the publish: both in one round trip
+                _, reports = await asyncio.gather(self.publish(), self.read())
+                if self.decide(reports):
                     await self._take_step()
                     await self.publish()  # tell the others at once: they may be waiting on it
+                    if self._poke is not None:  # samples they take before looking miss the step
+                        for address in self._peer_addresses:
+                            asyncio.get_running_loop().create_task(self._quiet_poke(address))
                     continue
             except (DhtError, RpcError) as exc:
                 log.warning("progress_unavailable", error=str(exc))
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await self._wake.wait()
+            self._wake.clear()

@@ -88,6 +88,7 @@ class Worker:
             ("worker.info", self._on_info),
             ("worker.parameters", self._on_parameters),
             ("averaging.start", self._on_start_round),
+            ("progress.poke", self._on_poke),
         ):
             self.server.register(method, handler)
         untrained = [p for p in self.module.parameters() if not p.requires_grad]
@@ -120,6 +121,8 @@ class Worker:
                 0 if self.settings.phase == "optimizer_sync" else self.optimizer.samples,
             ),
             take_step=self.take_step,
+            address=lambda: self.address or "",
+            poke=lambda address: self.client.call(address, "progress.poke", {"stage": stage}, timeout_s=2.0),
         )
         self.announcer = Announcer(
             dht=self.dht,
@@ -259,6 +262,7 @@ class Worker:
             raise BadRequest("the tail trains with forward_backward, not backward")
         inputs = self._inputs(tensors, boundary=self.kind != "head", grad=True)
         result = await self.runtime.submit("backward", inputs)
+        self.progress.accumulated()
         return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
 
     async def _on_forward_backward(self, request: Request) -> Payload:
@@ -267,6 +271,7 @@ class Worker:
             raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self.kind}")
         inputs = self._inputs(tensors, boundary=True, labels=True)
         result = await self.runtime.submit("forward_backward", inputs)
+        self.progress.accumulated()
         return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})
 
     async def _on_info(self, request: Request) -> Payload:
@@ -281,6 +286,7 @@ class Worker:
                 "stage_samples": self.progress.stage_samples,
                 "queued": runtime.queued_samples,
                 "processed": runtime.samples_processed,
+                "compute_seconds": runtime.compute_seconds,
                 "processed_by_kind": dict(runtime.samples_by_kind),
                 "recent_batch_sizes": list(runtime.batch_sizes),
                 "max_batch": self.max_batch,
@@ -303,6 +309,11 @@ class Worker:
         return Payload(
             {"step": self.optimizer.step, "total_samples": self.optimizer.total_samples}, {"values": values}
         )
+
+    async def _on_poke(self, request: Request) -> Payload:
+        """A worker of this stage stepped: check the stage's progress now."""
+        self.progress.poked()
+        return Payload()
 
     async def _on_start_round(self, request: Request) -> Payload:
         """Run averaging round ``round`` now (operators and tests; normally steps trigger it)."""

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Pipeline benchmark: a swarm's tokens/s and how busy its bottleneck stage is kept.
+
+    python benchmarks/pipeline.py [--lanes 2 8 32] [--seconds 10] [--stages 4] [--json]
+
+Real ``agora-worker`` processes, one per stage, serve surrogate stages whose compute is an
+injected per-sample delay (forward 5 ms, backward 10 ms), so each stage's compute bound is
+known; one stage (the bottleneck) is twice as slow. One in-process trainer drives samples
+through them with L lanes. Figures per lane count, over a measurement window after a warm-up:
+  * tokens/s the swarm trains
+  * bottleneck utilization: the bottleneck worker's compute time / wall time (target >= 0.9
+    once enough lanes saturate it)
+  * tokens/s over the bottleneck's own compute bound (samples per compute-second it showed in
+    the window): how close the pipeline runs to its slowest stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.config import load_run_config
+from agora_core.dht import DhtNode
+from agora_core.identity import NodeKey
+from agora_core.logs import configure_logging
+from agora_core.rpc import RpcClient
+from agora_core.testing import spawn_python
+from agora_trainer.shards import make_shards
+from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.trainer import Trainer, TrainerSettings
+
+FORWARD_S, BACKWARD_S = 0.005, 0.010
+SLOWDOWN = 2.0  # the bottleneck stage's delay scale
+
+
+def write_config(folder: Path, stages: int) -> Path:
+    layers = ", ".join(["1"] * stages)
+    path = folder / "pipeline.toml"
+    path.write_text(
+        f'name = "pipeline"\n[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 2\nsubspace_rank = 16\n'
+        f"seq_len = 128\nvocab_size = 256\nstage_layers = [{layers}]\n"
+        f"[model.surrogate]\nforward_delay_s = {FORWARD_S}\nbackward_delay_s = {BACKWARD_S}\n"
+        # no optimizer steps or averaging rounds inside the window: compute is what is measured
+        "[optimizer]\ntarget_batch_size = 1000000\n[averaging]\nenabled = false\n"
+        "[dht]\ngossip_period_s = 0.5\nprobe_timeout_s = 0.25\n"
+    )
+    return path
+
+
+async def measure(report, run, shards, bootstrap, bottleneck: str, lanes: int, seconds: float) -> None:
+    trainer = Trainer(
+        run=run,
+        shards_dir=shards,
+        key=NodeKey.generate(),
+        bootstrap=[bootstrap],
+        settings=TrainerSettings(lanes=lanes, state_file=str(Path(shards) / f"state-{lanes}.json")),
+    )
+    client = RpcClient()
+    await trainer.start()
+    try:
+        training = asyncio.create_task(trainer.train())
+        await asyncio.sleep(2.0)  # warm-up: connections, balancer estimates, a full pipeline
+        before = (await client.call(bottleneck, "worker.info")).meta
+        done, wall = trainer.counters.completed, time.perf_counter()
+        await asyncio.sleep(seconds)
+        after = (await client.call(bottleneck, "worker.info")).meta
+        done, wall = trainer.counters.completed - done, time.perf_counter() - wall
+        trainer.request_stop()
+        await training
+    finally:
+        await trainer.close()
+        await client.close()
+    compute = after["compute_seconds"] - before["compute_seconds"]
+    processed = after["processed"] - before["processed"]  # forward + backward passes
+    tokens_per_s = done * run.model.seq_len / wall
+    # each sample costs the bottleneck one forward and one backward
+    bound = processed / 2 / compute * run.model.seq_len if compute else float("nan")
+    report.add(f"lanes={lanes} tokens_per_s", tokens_per_s, "tokens/s")
+    report.add(
+        f"lanes={lanes} bottleneck_utilization", compute / wall, "of wall time", target=">= 0.9 saturated"
+    )
+    report.compare(f"lanes={lanes} tokens_per_s_vs_bottleneck_bound", tokens_per_s, bound, "tokens/s")
+
+
+async def run(report: Report, lane_counts: list[int], seconds: float, stages: int) -> None:
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
+        config = write_config(Path(folder), stages)
+        run_config = load_run_config(config)
+        shards = Path(folder) / "shards"
+        make_shards(shards, shards=1, tokenizer=ByteTokenizer(), max_bytes=4_000_000)
+        seed = DhtNode(key=NodeKey.generate(), config=run_config.dht)
+        await seed.start()
+        try:
+            slow = stages // 2
+            addresses = []
+            for stage in range(stages):
+                args = ["-m", "agora_worker", "run", "--config", str(config), "--stage", str(stage)]
+                args += [
+                    "--bootstrap",
+                    seed.address,
+                    "--device",
+                    "cpu",
+                    "--key-file",
+                    f"{folder}/w{stage}.key",
+                ]
+                if stage == slow:
+                    args += ["--surrogate-delay-scale", str(SLOWDOWN)]
+                env = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}  # more processes than cores
+                child = stack.enter_context(spawn_python(args, env=env))
+                addresses.append(child)
+            addresses = [
+                await asyncio.to_thread(c.read_until, "  serving    ", timeout_s=120) for c in addresses
+            ]
+            report.note(
+                f"{stages} surrogate stages (forward {FORWARD_S * 1e3:g} ms, backward {BACKWARD_S * 1e3:g} ms "
+                f"per sample), stage {slow} {SLOWDOWN:g}x slower"
+            )
+            for lanes in lane_counts:
+                report.note(f"{lanes} lanes for {seconds:g} s")
+                await measure(report, run_config, shards, seed.address, addresses[slow], lanes, seconds)
+        finally:
+            await seed.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lanes", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    configure_logging(fmt="console", level="warning")
+    report = Report("pipeline", as_json=args.json)
+    asyncio.run(run(report, args.lanes, args.seconds, args.stages))
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -88,7 +88,7 @@ async def serve_agora(index: int, values_count: int, link_spec: str | None) -> N
         )
         outcome = {
             "seconds": time.monotonic() - started,
-            "averaged": float(result.received.mean()),
+            "averaged": result.averaged_fraction,
             "reduce_success": result.reduce_success if result.reductions else None,
         }
         print(f"DONE {json.dumps(outcome)}", flush=True)

@@ -181,11 +181,14 @@ async def contribute(
     chunk: int,
     deadline: float,
     compress: bool = True,
+    out: SliceResult | None = None,
 ) -> SliceResult:
     """Send this peer's values of one slice to its reducer; collect the differences back."""
     stop = start + len(values)
     chunks = chunk_bounds(start, stop, chunk)
-    result = SliceResult(np.zeros(len(values), np.float32), np.zeros(len(values), bool))
+    if out is None:
+        out = SliceResult(np.zeros(len(values), np.float32), np.zeros(len(values), bool))
+    result = out
 
     def take(index: int, difference: np.ndarray) -> None:
         lo, hi = chunks[index]
@@ -284,6 +287,11 @@ class AllReduceResult:
         return sum(r.expected_inputs for r in self.reductions)
 
     @property
+    def averaged_fraction(self) -> float:
+        """Of this peer's segment, the fraction whose average came back."""
+        return np.count_nonzero(self.received) / len(self.received) if len(self.received) else 1.0
+
+    @property
     def reduce_success(self) -> float:
         """Of the inputs this peer's slices expected, the fraction that arrived in time."""
         expected = self.expected_inputs
@@ -360,6 +368,8 @@ async def all_reduce(
     """
     reducers = group.reducers
     bounds = slice_bounds(len(values), len(reducers))
+    delta = np.zeros(len(values), np.float32)
+    received = np.zeros(len(values), bool)
     mine = [
         SliceReduction(group, index, lo, hi, chunk_values, chunk_timeout_s, deadline, compress)
         for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
@@ -378,6 +388,7 @@ async def all_reduce(
                     reducer_address=reducer.address,
                     slice_index=index,
                     values=values[lo:hi],
+                    out=SliceResult(delta[lo:hi], received[lo:hi]),  # views: no copying back together
                     start=lo,
                     chunk=chunk_values,
                     deadline=deadline,
@@ -396,8 +407,6 @@ async def all_reduce(
     finally:
         ticker.cancel()
         board.close(group.round)
-    delta = np.concatenate([r.delta for r in results])
-    received = np.concatenate([r.received for r in results])
     if excluded:  # sat this round out: its own slices averaged nobody else's values
         received[:] = False
     wire_bytes = sum(r.wire_bytes for r in results) + sum(r.wire_bytes for r in mine)

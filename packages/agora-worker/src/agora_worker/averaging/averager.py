@@ -209,7 +209,7 @@ class Averager:
             segment=segment,
             group_size=len(group.members),
             reduce_success=result.reduce_success,
-            averaging_success=float(result.received.mean()) if len(result.received) else 1.0,
+            averaging_success=result.averaged_fraction,
             seconds=time.monotonic() - started,
             bytes_moved=result.wire_bytes,
             excluded=result.excluded,

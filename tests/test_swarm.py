@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
 SAMPLES = 1024
-LANES = "4"
+LANES = "2"  # few samples in flight: steps stay close to the target batch, as in the reference
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,7 @@ class AllReduceResult:
     @property
     def averaged_fraction(self) -> float:
         """Of this peer's segment, the fraction whose average came back."""
-        return np.count_nonzero(self.received) / len(self.received) if len(self.received) else 1.0
+        return float(np.count_nonzero(self.received)) / len(self.received) if len(self.received) else 1.0
 
     @property
     def reduce_success(self) -> float:

@@ -39,6 +39,7 @@ from agora_core.schema import (
     StageProgress,
     TrainerProgress,
     WorkerAnnouncement,
+    averaging_summary_key,
     stage_progress_key,
     stage_workers_key,
     trainer_progress_key,
@@ -212,7 +213,7 @@ class StatusReader:
             workers.append(len(announced))
             progress = await self._values(stage_progress_key(name, stage), StageProgress.from_value)
             steps.append(max((p.step for p in progress), default=0))
-            summaries = await self._values(f"{name}/stage/{stage}/averaging/summary", dict)
+            summaries = await self._values(averaging_summary_key(name, stage), dict)
             averaging.extend(s.get("averaging_success") for s in summaries)
         trainers = await self._values(trainer_progress_key(name), TrainerProgress.from_value)
         tokens = sum(t.tokens for t in trainers)

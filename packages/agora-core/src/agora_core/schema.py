@@ -100,6 +100,11 @@ class StageProgress:
         return progress
 
 
+def averaging_summary_key(run: str, stage: int) -> str:
+    """Where the workers of ``stage`` publish their latest averaging round's report."""
+    return f"{run}/stage/{stage}/averaging/summary"
+
+
 def trainer_progress_key(run: str) -> str:
     """Where trainers report their progress (one owned subkey each)."""
     return f"{run}/trainers"

@@ -50,6 +50,7 @@ class StageProgressTracker:
         self._address = address
         self._poke = poke
         self._peer_addresses: list[str] = []
+        self._pokes: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self.stage_samples = 0  # what the stage holds toward this worker's current step
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last read
@@ -110,7 +111,9 @@ class StageProgressTracker:
                     await self.publish()  # tell the others at once: they may be waiting on it
                     if self._poke is not None:  # samples they take before looking miss the step
                         for address in self._peer_addresses:
-                            asyncio.get_running_loop().create_task(self._quiet_poke(address))
+                            task = asyncio.get_running_loop().create_task(self._quiet_poke(address))
+                            self._pokes.add(task)
+                            task.add_done_callback(self._pokes.discard)
                     continue
             except (DhtError, RpcError) as exc:
                 log.warning("progress_unavailable", error=str(exc))

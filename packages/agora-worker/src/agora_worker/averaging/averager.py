@@ -22,7 +22,7 @@ from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
-from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_core.schema import WorkerAnnouncement, averaging_summary_key, stage_workers_key
 from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
@@ -43,10 +43,6 @@ class RoundReport:
     bytes_moved: int  # tensor bytes streamed to and from other peers
     excluded: bool = False  # this peer formed a group the reducers did not share
     steps_during: int = 0  # optimizer steps this peer took while the round ran (kept: delta rule)
-
-
-def summary_key(run: str, stage: int) -> str:
-    return f"{run}/stage/{stage}/averaging/summary"
 
 
 class Averager:
@@ -85,7 +81,8 @@ class Averager:
         self.active_group_size: int | None = None  # once the running round's group is formed
         self._task: asyncio.Task | None = None
         self.reports: list[RoundReport] = []
-        self._summary = OwnedEntry(dht, key, summary_key(run, stage))
+        self._publishing: set[asyncio.Task] = set()
+        self._summary = OwnedEntry(dht, key, averaging_summary_key(run, stage))
         self._m_group = metrics.gauge("agora_averaging_group_size", "Peers in the last averaging round.")
         self._m_reduce = metrics.gauge(
             "agora_averaging_reduce_success", "Last round: inputs reducers received."
@@ -232,7 +229,9 @@ class Averager:
         self._m_seconds.observe(report.seconds)
         self._m_bytes.inc(report.bytes_moved)
         log.info("averaging_round", **asdict(report))
-        asyncio.get_running_loop().create_task(self._publish(report))
+        task = asyncio.get_running_loop().create_task(self._publish(report))
+        self._publishing.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._publishing.discard)
         return report
 
     async def _publish(self, report: RoundReport) -> None:

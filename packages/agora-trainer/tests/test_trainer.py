@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +20,7 @@ from agora_core.config import load_run_config
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, spawn_python, wait_until_async
+from agora_core.testing import ChildProcess, poll_until, spawn_python, wait_until_async
 from agora_trainer.shards import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
@@ -132,13 +131,19 @@ def by_stage(swarm: Swarm, stage: int) -> list[Member]:
     return [m for m in swarm.workers if m.stage == stage and m.child.proc.poll() is None]
 
 
-async def test_a_trainer_completes_its_samples_through_three_stages(swarm):
-    trainer = swarm.trainer(lanes=8, max_samples=160, state_file=str(swarm.tmp / "run1.json"))
+async def train_to_the_end(trainer: Trainer, timeout_s: float = 120):
+    """Start, train until max_samples, close (even on failure); the counters."""
     await trainer.start()
     try:
-        counters = await asyncio.wait_for(trainer.train(), 120)
+        async with asyncio.timeout(timeout_s):
+            return await trainer.train()
     finally:
         await trainer.close()
+
+
+async def test_a_trainer_completes_its_samples_through_three_stages(swarm):
+    trainer = swarm.trainer(lanes=8, max_samples=160, state_file=str(swarm.tmp / "run1.json"))
+    counters = await train_to_the_end(trainer)
     assert counters.completed == 160 and counters.dispatched == 160 and counters.in_flight == 0
     assert counters.requeued == 0 and trainer.abandoned == 0
     assert len(set(trainer.completed_ids)) == 160
@@ -179,7 +184,11 @@ async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(swarm):
         assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
         # 2. a newcomer joins the stage and is given work
         newcomer = await swarm.add_worker(1)
-        await wait_for_info(swarm, newcomer, lambda info: info["processed"] > 0, "the newcomer to get work")
+
+        async def newcomer_has_work() -> bool:
+            return (await swarm.info(newcomer))["processed"] > 0
+
+        await poll_until(newcomer_has_work, timeout_s=30, what="the newcomer to get work")
         # 3. a worker dies while a lane waits on its backward
         await wait_until_async(
             lambda: lane_busy_with(trainer, fast, "backward"),
@@ -188,7 +197,8 @@ async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(swarm):
         )
         fast.child.kill()
         assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
-        await asyncio.wait_for(training, 120)
+        async with asyncio.timeout(120):
+            await training
     finally:
         training.cancel()
         await asyncio.gather(training, return_exceptions=True)
@@ -199,27 +209,12 @@ async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(swarm):
     assert len(set(trainer.completed_ids)) == 240
 
 
-async def wait_for_info(swarm: Swarm, member: Member, predicate, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate(await swarm.info(member)):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_restarted_trainer_resumes_without_repeating_or_skipping(swarm):
     state = str(swarm.tmp / "resume.json")
     first = swarm.trainer(lanes=4, max_samples=40, state_file=state)
-    await first.start()
-    try:
-        await asyncio.wait_for(first.train(), 60)
-    finally:
-        await first.close()
+    await train_to_the_end(first, timeout_s=60)
     second = swarm.trainer(lanes=4, max_samples=40, state_file=state)
-    await second.start()
-    try:
-        await asyncio.wait_for(second.train(), 60)
-    finally:
-        await second.close()
+    await train_to_the_end(second, timeout_s=60)
     both = first.completed_ids + second.completed_ids
     assert len(both) == len(set(both)) == 80  # nothing twice
     assert sorted(both) == list(range(80))  # nothing skipped

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
@@ -121,11 +119,31 @@ async def test_a_banned_sender_is_taken_out_of_chunks_it_already_sent():
 
 
 async def test_a_slow_sender_that_keeps_sending_is_not_banned():
-    reduction = SliceReduction(group(1.0, 1.0), 0, 0, 12, 4, chunk_timeout_s=0.2, deadline=1e18)
+    now = [0.0]  # the reducer's clock, moved by hand
+    reduction = SliceReduction(
+        group(1.0, 1.0), 0, 0, 12, 4, chunk_timeout_s=0.2, deadline=1e18, clock=lambda: now[0]
+    )
     for index in range(3):
         reduction.add("n0", index, np.zeros(4, np.float32))
     for index in range(3):  # n1 lags the fast sender by more than the timeout, chunk after chunk
-        await asyncio.sleep(0.15)
+        now[0] += 0.15
         reduction.check_deadlines()
         reduction.add("n1", index, np.ones(4, np.float32))
     assert not reduction.banned and reduction.finished
+    assert now[0] > reduction.chunk_timeout_s  # the fast sender's chunks waited past the timeout
+
+
+async def test_a_sender_silent_past_the_timeout_while_it_owes_chunks_is_banned():
+    now = [0.0]
+    reduction = SliceReduction(
+        group(1.0, 1.0), 0, 0, 8, 4, chunk_timeout_s=0.2, deadline=1e18, clock=lambda: now[0]
+    )
+    reduction.add("n0", 0, np.zeros(4, np.float32))
+    reduction.add("n1", 0, np.ones(4, np.float32))
+    reduction.add("n0", 1, np.zeros(4, np.float32))
+    now[0] += 0.19
+    reduction.check_deadlines()
+    assert not reduction.banned  # silent, but not yet for the timeout
+    now[0] += 0.02
+    reduction.check_deadlines()
+    assert reduction.banned == {"n1"} and reduction.finished  # chunk 1 averaged without it

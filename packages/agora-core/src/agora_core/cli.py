@@ -13,14 +13,20 @@ import click
 import numpy as np
 
 from agora_core import __version__
-from agora_core.config import NodeSettings, RunConfig, load_run_config
+from agora_core.config import NodeSettings
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.node_cli import fail, node_options, resolve_node
+from agora_core.node_cli import (
+    fail,
+    load_config,
+    node_options,
+    resolve_node,
+    status_interval_option,
+)
 from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
 
 
@@ -59,10 +65,7 @@ def config() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
     """Validate a run config TOML and summarize it."""
-    try:
-        run = load_run_config(file)
-    except ConfigError as exc:
-        fail(f"{file}: {exc}")
+    run = load_config(file)
     m = run.model
     click.echo(f"{file}: ok")
     click.echo(f"  run        {run.name} (seed {run.seed})")
@@ -254,22 +257,12 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
 @click.option(
     "--config", "config_file", type=click.Path(dir_okay=False), help="Run config TOML (its [dht] section)."
 )
-@click.option(
-    "--status-interval",
-    "status_interval_s",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds between status log lines.",
-)
+@status_interval_option("status log lines")
 @click.option("--duration", "duration_s", type=float, help="Leave and stop after this many seconds.")
 def dht_serve(config_file, status_interval_s, duration_s, bootstrap, **options) -> None:
     """Run a DHT node (a seed when --bootstrap is not given) until Ctrl-C."""
     settings = resolve_node(options)
-    try:
-        run = load_run_config(config_file) if config_file else RunConfig()
-    except ConfigError as exc:
-        fail(str(exc))
+    run = load_config(config_file)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     try:
         asyncio.run(_serve_dht(settings, run, list(bootstrap), status_interval_s, duration_s))

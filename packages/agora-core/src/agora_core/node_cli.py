@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from agora_core.config import NodeSettings
+from agora_core.config import NodeSettings, RunConfig, load_run_config
 from agora_core.errors import ConfigError
 
 NODE_OPTIONS = ("listen", "advertise", "key_file", "metrics_port", "link", "log_format")
@@ -30,6 +30,38 @@ _OPTIONS = [
     click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".'),
     click.option("--log-format", type=click.Choice(["auto", "console", "json"])),
 ]
+
+
+def status_interval_option(what: str = "status lines") -> Callable:
+    """``--status-interval`` (seconds, default 10) for commands that print how they are doing."""
+    return click.option(
+        "--status-interval",
+        "status_interval_s",
+        type=float,
+        default=10.0,
+        show_default=True,
+        help=f"Seconds between {what}.",
+    )
+
+
+def load_config(path: str | None) -> RunConfig:
+    """The run config at ``path`` (defaults without one); a bad file exits with its error."""
+    try:
+        return load_run_config(path) if path else RunConfig()
+    except ConfigError as exc:
+        message = str(exc)
+        fail(message if path in message else f"{path}: {message}")
+        raise  # unreachable: fail() exits
+
+
+def settings_from_flags(cls: type, **flags: Any) -> Any:
+    """A settings dataclass from a command's flags: flags not given (None) keep the class
+    defaults; a value the class rejects exits with its error."""
+    try:
+        return cls(**{name: value for name, value in flags.items() if value is not None})
+    except ConfigError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail() exits
 
 
 def node_options(command: Callable) -> Callable:

@@ -9,13 +9,20 @@ import sys
 
 import click
 
-from agora_core.config import NodeSettings, load_run_config
-from agora_core.errors import AgoraError, ConfigError
+from agora_core.config import NodeSettings
+from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging
 from agora_core.metrics import NodeMetrics
-from agora_core.node_cli import fail, node_options, resolve_node
+from agora_core.node_cli import (
+    fail,
+    load_config,
+    node_options,
+    resolve_node,
+    settings_from_flags,
+    status_interval_option,
+)
 from agora_trainer import __version__
 from agora_trainer.shards import ShardError
 from agora_trainer.trainer import Trainer, TrainerSettings
@@ -101,14 +108,7 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
 @click.option(
     "--progress-interval", "progress_interval_s", type=float, help="Seconds between progress reports."
 )
-@click.option(
-    "--status-interval",
-    "status_interval_s",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds between status lines.",
-)
+@status_interval_option()
 def run(
     config_file,
     shards_dir,
@@ -125,20 +125,17 @@ def run(
 ) -> None:
     """Train on the samples in --shards until they run out, --max-samples, or Ctrl-C."""
     node = resolve_node(options)
-    try:
-        run_config = load_run_config(config_file)
-        chosen = {
-            "lanes": lanes,
-            "max_samples": max_samples,
-            "state_file": state_file,
-            "loss_log": loss_log,
-            "backward_routing": backward_routing,
-            "refresh_interval_s": refresh_interval_s,
-            "progress_interval_s": progress_interval_s,
-        }
-        settings = TrainerSettings(**{k: v for k, v in chosen.items() if v is not None})
-    except ConfigError as exc:
-        fail(str(exc))
+    run_config = load_config(config_file)
+    settings = settings_from_flags(
+        TrainerSettings,
+        lanes=lanes,
+        max_samples=max_samples,
+        state_file=state_file,
+        loss_log=loss_log,
+        backward_routing=backward_routing,
+        refresh_interval_s=refresh_interval_s,
+        progress_interval_s=progress_interval_s,
+    )
     configure_logging(fmt=node.log_format, level=node.log_level)
     try:
         key = NodeKey.load_or_create(node.key_file)

@@ -8,13 +8,19 @@ import sys
 
 import click
 
-from agora_core.config import NodeSettings, load_run_config
-from agora_core.errors import AgoraError, ConfigError
+from agora_core.config import NodeSettings
+from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.node_cli import fail, node_options, resolve_node
+from agora_core.node_cli import (
+    fail,
+    load_config,
+    node_options,
+    resolve_node,
+    settings_from_flags,
+)
 from agora_worker import __version__
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
@@ -92,20 +98,17 @@ def run(
 ) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
     node = resolve_node(options, device=device)
-    try:
-        run_config = load_run_config(config_file)
-        worker_settings = {
-            "device": node.device,
-            "max_batch_samples": max_batch,
-            "max_batch_tokens": max_batch_tokens,
-            "progress_interval_s": progress_interval_s,
-            "announce_interval_s": announce_interval_s,
-            "surrogate_delay_scale": surrogate_delay_scale,
-            "phase": phase,
-        }
-        settings = WorkerSettings(**{k: v for k, v in worker_settings.items() if v is not None})
-    except ConfigError as exc:
-        fail(str(exc))
+    run_config = load_config(config_file)
+    settings = settings_from_flags(
+        WorkerSettings,
+        device=node.device,
+        max_batch_samples=max_batch,
+        max_batch_tokens=max_batch_tokens,
+        progress_interval_s=progress_interval_s,
+        announce_interval_s=announce_interval_s,
+        surrogate_delay_scale=surrogate_delay_scale,
+        phase=phase,
+    )
     configure_logging(fmt=node.log_format, level=node.log_level)
     try:
         key = NodeKey.load_or_create(node.key_file)

@@ -54,6 +54,7 @@ class SliceReduction:
     chunk_timeout_s: float
     deadline: float  # time.monotonic() by which the round ends, reduced or not
     compress: bool = True  # differences go back LZ4-compressed where a chunk pays for it
+    clock: Callable[[], float] = time.monotonic  # when chunks arrive (tests drive their own)
     _inputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # chunk -> sender -> values
     _sums: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> weighted sum of its inputs
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
@@ -68,7 +69,7 @@ class SliceReduction:
         self.done = asyncio.Event()  # every chunk averaged (or given up on)
         self.chunks = chunk_bounds(self.start, self.stop, self.chunk)
         self.senders = {m.node_id: m.weight for m in self.group.members}
-        self._last_heard = dict.fromkeys(self.senders, time.monotonic())
+        self._last_heard = dict.fromkeys(self.senders, self.clock())
         for node_id in self.senders:
             self.outboxes[node_id] = asyncio.Queue()
 
@@ -103,7 +104,7 @@ class SliceReduction:
         else:
             self._sums[index] = weighted
         self.heard_from.add(sender)
-        self._last_heard[sender] = time.monotonic()
+        self._last_heard[sender] = self.clock()
         self.received += 1
         self._try_finish(index)
 
@@ -132,7 +133,7 @@ class SliceReduction:
         busy returning its own differences -- is never banned, and a dead one is banned one
         timeout after its last chunk.
         """
-        now = time.monotonic()
+        now = self.clock()
         for sender in self.live():
             if now - self._last_heard[sender] < self.chunk_timeout_s:
                 continue
@@ -180,15 +181,13 @@ async def contribute(
     start: int,
     chunk: int,
     deadline: float,
+    out: SliceResult,
     compress: bool = True,
-    out: SliceResult | None = None,
 ) -> SliceResult:
     """Send this peer's values of one slice to its reducer; collect the differences back."""
     stop = start + len(values)
     chunks = chunk_bounds(start, stop, chunk)
-    if out is None:
-        out = SliceResult(np.zeros(len(values), np.float32), np.zeros(len(values), bool))
-    result = out
+    result = out  # views into the whole segment's result: nothing to copy back together
 
     def take(index: int, difference: np.ndarray) -> None:
         lo, hi = chunks[index]
@@ -388,7 +387,7 @@ async def all_reduce(
                     reducer_address=reducer.address,
                     slice_index=index,
                     values=values[lo:hi],
-                    out=SliceResult(delta[lo:hi], received[lo:hi]),  # views: no copying back together
+                    out=SliceResult(delta[lo:hi], received[lo:hi]),
                     start=lo,
                     chunk=chunk_values,
                     deadline=deadline,

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.allocator import tune_for_large_messages
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.testing import ChildProcess, spawn_python
@@ -50,6 +51,7 @@ LINK_BITS_PER_S = 200e6
 
 
 async def serve_agora(index: int, values_count: int, link_spec: str | None) -> None:
+    tune_for_large_messages()  # as `agora-worker run` does at start
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
     server = RpcServer(listen="127.0.0.1:0", link=link)
     client = RpcClient(link=link)

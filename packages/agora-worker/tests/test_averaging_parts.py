@@ -31,12 +31,13 @@ def test_flat_parameters_read_and_add_across_tensor_boundaries():
     flat = FlatParameters(tensors)
     ranges = [(4, 8), (9, 13)]  # crosses from the first tensor into the second, then the third
     assert flat.read(ranges).tolist() == [4.0, 5.0, 10.0, 11.0, 13.0, 0.0, 0.0, 0.0]
-    delta = np.ones(8, dtype=np.float32)
-    mask = np.array([True, True, True, True, False, True, True, True])
-    flat.add(ranges, delta, mask)
+    # two pieces, given out of order; position 4 is in neither
+    flat.add(ranges, [(5, np.full(3, 2.0, dtype=np.float32)), (0, np.ones(4, dtype=np.float32))])
     assert tensors[0].tolist() == [0.0, 1.0, 2.0, 3.0, 5.0, 6.0]
-    assert tensors[1].view(-1).tolist() == [11.0, 12.0, 12.0, 13.0]  # 13 was masked out
-    assert tensors[2].tolist() == [1.0, 1.0, 1.0]
+    assert tensors[1].view(-1).tolist() == [11.0, 12.0, 12.0, 13.0]  # position 4 (13) untouched
+    assert tensors[2].tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match="outside"):
+        flat.add(ranges, [(7, np.ones(2, dtype=np.float32))])
 
 
 def test_the_delta_rule_keeps_progress_made_during_the_round():
@@ -45,7 +46,7 @@ def test_the_delta_rule_keeps_progress_made_during_the_round():
     snapshot = flat.read([(0, 3)])  # theta* at the round's start
     theta[0] += torch.tensor([0.5, 0.0, -0.5])  # a training step during the round
     average = np.array([2.0, 2.0, 2.0], dtype=np.float32)
-    flat.add([(0, 3)], average - snapshot)
+    flat.add([(0, 3)], [(0, average - snapshot)])
     assert theta[0].tolist() == [2.5, 2.0, 1.5]  # average + the local step
 
 

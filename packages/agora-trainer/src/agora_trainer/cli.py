@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from agora_core.allocator import tune_for_large_messages
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
@@ -137,6 +138,7 @@ def run(
         progress_interval_s=progress_interval_s,
     )
     configure_logging(fmt=node.log_format, level=node.log_level)
+    tune_for_large_messages()  # chunk-sized buffers reused on the heap, not faulted in afresh
     try:
         key = NodeKey.load_or_create(node.key_file)
         trainer = Trainer(

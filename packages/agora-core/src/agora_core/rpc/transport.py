@@ -48,7 +48,15 @@ def context() -> zmq.Context:
 
 
 def frames_nbytes(frames: Sequence) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
+    total = 0
+    for frame in frames:  # per message: skip building a memoryview where the size is at hand
+        if isinstance(frame, (bytes, zmq.Frame)):
+            total += len(frame)
+        elif isinstance(frame, memoryview):
+            total += frame.nbytes
+        else:
+            total += memoryview(frame).nbytes
+    return total
 
 
 def normalize_address(address: str) -> str:

@@ -30,7 +30,7 @@ log = get_logger("worker.averaging")
 
 METHOD = "averaging.reduce"
 DEADLINE_TICK_S = 0.05  # how often reducers look for senders past their chunk deadline
-BLOCK_VALUES = 32 * 1024  # a chunk is reduced in blocks this long: each block's work stays in cache
+BLOCK_VALUES = 64 * 1024  # a chunk is reduced in blocks this long: each block's work stays in cache
 
 
 def slice_bounds(length: int, reducers: int) -> list[tuple[int, int]]:

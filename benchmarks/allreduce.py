@@ -6,7 +6,8 @@
 Figures:
   (a) time to average a --megabytes float32 vector among --peers processes on loopback, vs
       gloo ``all_reduce`` of the same tensor among the same number of processes (same run,
-      interleaved rounds, medians; each round's time is its slowest peer's)
+      interleaved rounds, medians; each round's time is its slowest peer's); also vs gloo
+      doing the same job as Agora, a sample-weighted mean (multiply, all_reduce, divide)
   (b) the same under link emulation (every peer's access link: 200 Mbit/s up and down, 40 ms
       one way), vs the lower bound that link sets: the bytes the busiest peer had to upload
       (measured on its sockets) / bandwidth. Any all-reduce uploads at least 2 (N-1)/N of the
@@ -115,11 +116,19 @@ def serve_gloo(rank: int, world: int, port: int, values_count: int) -> None:
     original = torch.from_numpy(np.random.default_rng(rank).standard_normal(values_count, dtype=np.float32))
     tensor = original.clone()
     print("READY", flush=True)
-    for _ in sys.stdin:
+    for line in sys.stdin:
+        weighted = json.loads(line).get("weighted", False)
         tensor.copy_(original)
         dist.barrier()
         started = time.monotonic()
-        dist.all_reduce(tensor)
+        if weighted:  # the job Agora's round does: a sample-weighted mean (every weight 1 here)
+            weight = torch.ones(1)
+            tensor.mul_(weight)
+            dist.all_reduce(weight)  # the total weight
+            dist.all_reduce(tensor)
+            tensor.div_(weight)
+        else:
+            dist.all_reduce(tensor)
         print(f"DONE {json.dumps({'seconds': time.monotonic() - started})}", flush=True)
     dist.destroy_process_group()
 
@@ -161,7 +170,13 @@ class Swarm:
         return cls(stack, children, [])
 
     def run(
-        self, *, reducers=None, die: dict[int, float] | None = None, timeout_s=150.0, chunk_timeout_s=30.0
+        self,
+        *,
+        reducers=None,
+        die: dict[int, float] | None = None,
+        timeout_s=150.0,
+        chunk_timeout_s=30.0,
+        weighted=False,
     ):
         """One round; returns each live peer's outcome (None for the peers that died)."""
         self.round += 1
@@ -176,6 +191,7 @@ class Swarm:
                 "timeout_s": timeout_s,
                 "chunk_timeout_s": chunk_timeout_s,
                 "die_after_s": die.get(i),
+                "weighted": weighted,  # gloo peers: a weighted mean instead of a bare all_reduce
             }
             child.proc.stdin.write((json.dumps(command) + "\n").encode())
             child.proc.stdin.flush()
@@ -237,17 +253,27 @@ def main() -> None:
         gloo = Swarm.gloo(stack, n, values_count)
         agora.run()  # warm up connections and allocators, then measure
         gloo.run()
-        ours, theirs = [], []
+        ours, theirs, weighted = [], [], []
         for r in range(args.rounds):
             ours.append(slowest(agora.run()))
             theirs.append(slowest(gloo.run()))
-            report.note(f"round {r + 1}: agora {ours[-1]:.3f} s, gloo {theirs[-1]:.3f} s")
+            weighted.append(slowest(gloo.run(weighted=True)))
+            report.note(
+                f"round {r + 1}: agora {ours[-1]:.3f} s, gloo all_reduce {theirs[-1]:.3f} s, "
+                f"gloo weighted mean {weighted[-1]:.3f} s"
+            )
         report.compare(
             "loopback_average_seconds",
             statistics.median(ours),
             statistics.median(theirs),
             "s (vs gloo all_reduce)",
             target="<= 1.5",
+        )
+        report.compare(
+            "loopback_vs_gloo_weighted_mean",
+            statistics.median(ours),
+            statistics.median(weighted),
+            "s (vs gloo: weights applied, all_reduce, divided by the total weight)",
         )
 
     if args.loopback_only:

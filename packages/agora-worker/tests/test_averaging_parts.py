@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_worker.averaging import allreduce
 from agora_worker.averaging.allreduce import SliceReduction, chunk_bounds, slice_bounds
 from agora_worker.averaging.matchmaking import Group, Peer
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
@@ -148,3 +153,75 @@ async def test_a_sender_silent_past_the_timeout_while_it_owes_chunks_is_banned()
     now[0] += 0.02
     reduction.check_deadlines()
     assert reduction.banned == {"n1"} and reduction.finished  # chunk 1 averaged without it
+
+
+async def test_blocked_reduction_matches_the_weighted_mean_and_reuses_received_buffers(monkeypatch):
+    monkeypatch.setattr(allreduce, "BLOCK_VALUES", 3)  # blocks of 3 over chunks of 7: a short last block
+    g = group(2.0, 1.0, 0.0, 5.0)
+    reduction = SliceReduction(g, 0, 0, 14, 7, chunk_timeout_s=5.0, deadline=1e18)
+    rng = np.random.default_rng(4)
+    values = {f"n{i}": rng.standard_normal(14).astype(np.float32) for i in range(4)}
+    received = {}  # copies as a reducer gets them off the wire: its own buffers
+    for index, (lo, hi) in enumerate(reduction.chunks):
+        for sender, v in values.items():
+            owned = sender != "n0"  # n0 is the reducer itself: its snapshot must stay untouched
+            chunk = v[lo:hi].copy() if owned else v[lo:hi]
+            received[(sender, index)] = chunk
+            reduction.add(sender, index, chunk, owned=owned)
+    weights = np.array([2.0, 1.0, 0.0, 5.0])
+    mean = sum(w * values[f"n{i}"].astype(np.float64) for i, w in enumerate(weights)) / weights.sum()
+    snapshot = values["n0"].copy()
+    for sender, v in values.items():
+        got = await drain(reduction, sender)
+        for index, (lo, hi) in enumerate(reduction.chunks):
+            np.testing.assert_allclose(v[lo:hi] + got[index], mean[lo:hi], rtol=0, atol=2e-6)
+            # a received chunk carries its difference back in place; the reducer's own does not
+            assert (got[index] is received[(sender, index)]) == (sender != "n0")
+    np.testing.assert_array_equal(values["n0"], snapshot)
+
+
+async def test_senders_without_samples_get_a_plain_mean():
+    reduction = SliceReduction(group(0.0, 0.0), 0, 0, 4, 4, chunk_timeout_s=5.0, deadline=1e18)
+    reduction.add("n0", 0, np.zeros(4, np.float32))
+    reduction.add("n1", 0, np.full(4, 4.0, np.float32))
+    assert (await drain(reduction, "n0"))[0].tolist() == [2.0] * 4
+
+
+async def test_a_reducer_returning_a_chunk_twice_or_out_of_range_is_not_trusted():
+    """A misbehaving reducer: the peer keeps what arrived well-formed, drops the rest, runs on."""
+    server, client = RpcServer(listen="127.0.0.1:0"), RpcClient()
+    replies = [(0, 4), (0, 4), (7, 4), (1, 3)]  # chunk 0, chunk 0 again, a chunk that does not exist
+
+    async def bad_reducer(stream):
+        async for _ in stream:
+            pass
+        for index, length in replies:
+            await stream.send({"chunk": index}, {"delta": np.ones(length, np.float32)})
+        return Payload()
+
+    async def echo(request):
+        return Payload(request.meta)
+
+    server.register(allreduce.METHOD, bad_reducer, stream=True)
+    server.register("test.echo", echo)
+    address = await server.start()
+    try:
+        result = await allreduce.contribute(
+            client=client,
+            local=lambda: None,
+            group=group(1.0, 1.0),
+            me="n1",
+            reducer_address=address,
+            slice_index=0,
+            values=np.zeros(8, np.float32),
+            start=0,
+            chunk=4,
+            deadline=time.monotonic() + 10.0,
+        )
+        assert [start for start, _ in result.pieces] == [0] and result.returned == {0}
+        assert not result.excluded
+        async with asyncio.timeout(10):  # both ends still serve after the bad exchange
+            assert (await client.call(address, "test.echo", {"still": "up"})).meta == {"still": "up"}
+    finally:
+        await client.close()
+        await server.stop()

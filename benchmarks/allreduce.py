@@ -48,6 +48,10 @@ from agora_worker.averaging.matchmaking import Group, Peer
 SCRIPT = str(Path(__file__).resolve())
 LINK = "up=200M,down=200M,latency=40ms"
 LINK_BITS_PER_S = 200e6
+# One compute thread per peer process, gloo's and Agora's alike: with more peers than cores,
+# torch's OpenMP workers (gloo peers' copies and weighting) would spin on the cores the next
+# round needs.
+PEER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 START_LEAD_S = 0.2  # a round starts this long after its commands go out, on every peer at once
 
 
@@ -149,7 +153,7 @@ class Swarm:
         for i in range(peers):
             args = [SCRIPT, "--serve", "agora", "--index", str(i), "--values", str(values_count)]
             args += ["--chunk-bytes", str(chunk_bytes)]
-            child = stack.enter_context(spawn_python(args + (["--link", link] if link else [])))
+            child = stack.enter_context(spawn_python(args + (["--link", link] if link else []), env=PEER_ENV))
             children.append(child)
         for child in children:
             addresses.append(child.read_until("ADDRESS ", timeout_s=120))
@@ -161,7 +165,9 @@ class Swarm:
         tail = ["--port", str(port), "--values", str(values_count)]
         children = [
             stack.enter_context(
-                spawn_python([SCRIPT, "--serve", "gloo", "--index", str(i), "--peers", str(peers), *tail])
+                spawn_python(
+                    [SCRIPT, "--serve", "gloo", "--index", str(i), "--peers", str(peers), *tail], env=PEER_ENV
+                )
             )
             for i in range(peers)
         ]

@@ -1,11 +1,11 @@
 """Butterfly all-reduce of one segment: a reduce-scatter and an all-gather, in one pass.
 
 The segment is cut into one contiguous slice per reducer. Every peer streams its copy of each
-slice to that slice's reducer in fixed-size chunks; the reducer adds chunks into a weighted
-sum as they arrive and, once a chunk has come in from every live sender, streams back to each
-sender the *difference* between the weighted average and that sender's chunk. Sending and
-reducing overlap: one stream per (sender, slice) carries chunks one way and differences the
-other. A sender that misses a chunk's deadline is banned for the round and the chunk is
+slice to that slice's reducer in fixed-size chunks; the reducer queues each chunk as it
+arrives and, once a chunk has come in from every live sender, takes their weighted average
+and streams back to each sender the *difference* between the average and that sender's
+chunk, while the next chunks are still on their way. Sending and reducing overlap: one
+stream per (sender, slice) carries chunks one way and differences the other. A sender that misses a chunk's deadline is banned for the round and the chunk is
 averaged over the others; a difference that never comes back leaves the local values alone.
 """
 
@@ -331,13 +331,6 @@ class AllReduceResult:
         """Of the inputs this peer's slices expected, the fraction that arrived in time."""
         expected = self.expected_inputs
         return sum(r.received for r in self.reductions) / expected if expected else 1.0
-
-    def dense_delta(self) -> np.ndarray:
-        """The pieces laid out over the whole segment, 0 where no average came back."""
-        delta = np.zeros(self.length, np.float32)
-        for start, difference in self.pieces:
-            delta[start : start + len(difference)] = difference
-        return delta
 
 
 class ReductionBoard:

@@ -63,7 +63,7 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
     server = RpcServer(listen="127.0.0.1:0", link=link)
     client = RpcClient(link=link)
-    board = ReductionBoard(server, early_wait_s=60.0)
+    board = ReductionBoard(server, early_wait_s=60.0, window=AveragingConfig().window_chunks)
     print(f"ADDRESS {await server.start()}", flush=True)
     values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
     loop = asyncio.get_running_loop()

@@ -83,6 +83,45 @@ async def test_slow_consumer_never_buffers_more_than_the_window(server, client):
     assert max(observed) <= WINDOW
 
 
+async def test_a_method_and_a_caller_can_set_their_own_stream_windows(server, client):
+    gate = asyncio.Event()
+    sent_back = []
+
+    async def narrow(stream):  # registered with a window of 2: the caller may have 2 in flight
+        await gate.wait()
+        async for _ in stream:
+            pass
+        for i in range(6):  # the caller grants 3 at a time: this waits on it
+            await stream.send({"i": i})
+            sent_back.append(i)
+        return Payload()
+
+    server.register("narrow", narrow, stream=True, window=2)
+    async with client.open_stream(server.address, "narrow", window=3) as stream:
+        sent = []
+
+        async def produce():
+            for i in range(10):
+                await stream.send(None, {"x": np.zeros(4, dtype=np.float32)})
+                sent.append(i)
+            await stream.end()
+
+        sender = asyncio.create_task(produce())
+        await wait_until_async(lambda: sent and stream._credit == 0, what="sender to spend its credit")
+        assert len(sent) == 2 and not sender.done()  # the method's window, not the node's 4
+        assert stream._granted == 3  # the caller's own window for the replies
+        gate.set()
+        await sender
+        received = [item.meta["i"] async for item in stream]
+        await stream.result()
+    assert received == list(range(6)) == sent_back
+    with pytest.raises(ValueError, match="window"):
+        server.register("bad", narrow, window=2)  # not a streaming method
+    with pytest.raises(ValueError, match="window"):
+        async with client.open_stream(server.address, "narrow", window=0):
+            pass
+
+
 async def _send_many(stream, count):
     for _ in range(count):
         await stream.send(None, {"x": np.zeros(256, dtype=np.float32)})

@@ -132,6 +132,9 @@ class AveragingConfig:
     round_timeout_s: float = 150.0
     chunk_timeout_s: float = 30.0  # a sender missing this per-chunk deadline is banned
     chunk_bytes: int = 2 * MiB  # report: 16 Mbit chunks
+    # Chunks in flight per stream, each way: a link's round trip's worth, few enough that a
+    # peer's returned differences and credits do not queue behind a backlog of its own sends.
+    window_chunks: int = 4
     compression: Literal["auto", "none"] = "auto"  # auto: LZ4 per chunk when it pays
     # Who may reduce: "all" peers, or only the node ids listed in ``reducer_ids``.
     reducers: Literal["all", "listed"] = "all"
@@ -148,6 +151,7 @@ class AveragingConfig:
             f"must exceed matchmaking_window_s ({self.matchmaking_window_s})",
         )
         require(self.chunk_bytes >= 4096, "chunk_bytes", "must be at least 4096")
+        require(self.window_chunks >= 1, "window_chunks", "must be >= 1")
         require(
             self.reducers != "listed" or bool(self.reducer_ids),
             "reducer_ids",

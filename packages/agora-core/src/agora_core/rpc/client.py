@@ -368,20 +368,25 @@ class RpcClient:
         tensors: dict[str, Tensor] | None = None,
         *,
         timeout_s: float | None = None,
+        window: int | None = None,
     ) -> AsyncIterator[ClientStream]:
         """Open a streaming call; the opening message carries ``meta``/``tensors``.
 
         Inside the block: ``await stream.send(...)``, ``await stream.end()``, iterate the
         server's items, ``await stream.result()`` for the final reply. Leaving the block
-        before the final reply cancels the call on the server.
+        before the final reply cancels the call on the server. ``window``: the items the
+        server may have in flight to this caller (default ``RpcConfig.stream_window``).
         """
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError("window is a positive item count")
+        window = window or self.config.stream_window
         deadline = self._deadline(timeout_s)
         peer = self._peer(address)
         rid = next(self._request_ids)
         stream = ClientStream(
             request_id=rid,
             method=method,
-            window=self.config.stream_window,
+            window=window,
             peer_window=0,  # the server grants credit once it accepted the call
             deadline=deadline,
             send_message=lambda message: self._send(peer, message, deadline),
@@ -390,9 +395,7 @@ class RpcClient:
         outcome = "ok"
         try:
             await self._wait_connected(peer, deadline)
-            await self._send(
-                peer, _request(rid, method, deadline, meta, tensors, credit=self.config.stream_window)
-            )
+            await self._send(peer, _request(rid, method, deadline, meta, tensors, credit=window))
             yield stream
         except BaseException as exc:
             outcome = getattr(

@@ -62,6 +62,7 @@ def _reject_reason(error: WireError) -> str:
 class _Handler:
     fn: Callable
     streaming: bool
+    window: int  # items a streaming caller may have in flight to it
 
 
 @dataclass(slots=True)
@@ -121,14 +122,21 @@ class RpcServer:
 
     # --- registration and lifecycle --------------------------------------------------------
 
-    def register(self, method: str, handler: Callable, *, stream: bool = False) -> None:
+    def register(
+        self, method: str, handler: Callable, *, stream: bool = False, window: int | None = None
+    ) -> None:
         """Serve ``method``: ``await handler(Request)``, or with ``stream=True``
-        ``await handler(ServerStream)``; either returns a :class:`Payload` or None."""
+        ``await handler(ServerStream)``; either returns a :class:`Payload` or None.
+
+        ``window``: the items a streaming caller may have in flight to this handler (default
+        ``RpcConfig.stream_window``)."""
         if not isinstance(method, str) or not 0 < len(method) <= self.config.wire.limits.max_name_chars:
             raise ValueError("method name must be a non-empty, bounded str")
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        self._handlers[method] = _Handler(handler, stream)
+        if window is not None and (not stream or not isinstance(window, int) or window < 1):
+            raise ValueError("window is a positive item count, for streaming methods only")
+        self._handlers[method] = _Handler(handler, stream, window or self.config.stream_window)
 
     @property
     def methods(self) -> list[str]:
@@ -262,7 +270,7 @@ class RpcServer:
                 request,
                 request_id=rid,
                 method=message.method,
-                window=self.config.stream_window,
+                window=handler.window,
                 peer_window=message.credit,
                 deadline=request.deadline,
                 send_message=lambda m: self._send(identity, m),
@@ -304,7 +312,7 @@ class RpcServer:
             try:
                 if call.stream is not None:  # open the client's send window
                     await self._send(
-                        identity, Message(kind=Kind.CREDIT, request_id=rid, credit=self.config.stream_window)
+                        identity, Message(kind=Kind.CREDIT, request_id=rid, credit=handler.window)
                     )
                 result = await handler.fn(call.stream if call.stream is not None else request)
             except asyncio.CancelledError:

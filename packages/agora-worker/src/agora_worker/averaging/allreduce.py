@@ -214,6 +214,7 @@ async def contribute(
     chunk: int,
     deadline: float,
     compress: bool = True,
+    window: int | None = None,
 ) -> SliceResult:
     """Send this peer's values of one slice to its reducer; collect the differences back."""
     stop = start + len(values)
@@ -247,7 +248,9 @@ async def contribute(
     if remaining <= 0:
         return result
     try:
-        async with client.open_stream(reducer_address, METHOD, meta, timeout_s=remaining) as stream:
+        async with client.open_stream(
+            reducer_address, METHOD, meta, timeout_s=remaining, window=window
+        ) as stream:
 
             async def send() -> None:
                 for index, (lo, hi) in enumerate(chunks):
@@ -342,12 +345,13 @@ class ReductionBoard:
     refused with BadRequest: the sender then knows it was left out.
     """
 
-    def __init__(self, server: RpcServer, *, early_wait_s: float):
+    def __init__(self, server: RpcServer, *, early_wait_s: float, window: int | None = None):
         self.reductions: dict[tuple[int, int], SliceReduction] = {}
         self._opened: dict[int, asyncio.Event] = {}
         self._closed: collections.deque[int] = collections.deque(maxlen=64)  # recent rounds
         self._early_wait_s = early_wait_s
-        server.register(METHOD, self._on_stream, stream=True)
+        self.window = window  # chunks a sender may have in flight to this reducer
+        server.register(METHOD, self._on_stream, stream=True, window=window)
 
     def open(self, reductions: list[SliceReduction], round_index: int) -> None:
         for reduction in reductions:
@@ -425,6 +429,7 @@ async def all_reduce(
                     chunk=chunk_values,
                     deadline=deadline,
                     compress=compress,
+                    window=board.window,  # differences in flight back: as many as chunks out
                 )
                 for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
             )

@@ -75,7 +75,9 @@ class Averager:
         )
         self.matchmaker = Matchmaker(dht=dht, key=key, run=run, stage=stage)
         # Senders may reach this peer before it formed its group: they wait up to one window.
-        self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
+        self.board = ReductionBoard(
+            server, early_wait_s=config.matchmaking_window_s + 5.0, window=config.window_chunks
+        )
         self._last_round_samples = 0
         self.active_round: int | None = None
         self.active_group_size: int | None = None  # once the running round's group is formed

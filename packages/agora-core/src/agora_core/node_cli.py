@@ -14,8 +14,10 @@ from typing import Any
 
 import click
 
+from agora_core.allocator import tune_for_large_messages
 from agora_core.config import NodeSettings, RunConfig, load_run_config
 from agora_core.errors import ConfigError
+from agora_core.logs import configure_logging
 
 NODE_OPTIONS = ("listen", "advertise", "key_file", "metrics_port", "link", "log_format")
 
@@ -73,6 +75,14 @@ def node_options(command: Callable) -> Callable:
 def fail(message: str, code: int = 2) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def prepare_process(node: NodeSettings) -> None:
+    """Set up the process of a node that moves tensors: its logging, and malloc's thresholds
+    (chunk-sized buffers reused on the heap, not faulted in afresh; ``agora_core.allocator``).
+    Call it before the node starts threads."""
+    configure_logging(fmt=node.log_format, level=node.log_level)
+    tune_for_large_messages()
 
 
 def resolve_node(options: dict[str, Any], **extra: Any) -> NodeSettings:

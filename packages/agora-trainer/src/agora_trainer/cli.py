@@ -9,17 +9,16 @@ import sys
 
 import click
 
-from agora_core.allocator import tune_for_large_messages
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
-from agora_core.logs import configure_logging
 from agora_core.metrics import NodeMetrics
 from agora_core.node_cli import (
     fail,
     load_config,
     node_options,
+    prepare_process,
     resolve_node,
     settings_from_flags,
     status_interval_option,
@@ -137,8 +136,7 @@ def run(
         refresh_interval_s=refresh_interval_s,
         progress_interval_s=progress_interval_s,
     )
-    configure_logging(fmt=node.log_format, level=node.log_level)
-    tune_for_large_messages()  # chunk-sized buffers reused on the heap, not faulted in afresh
+    prepare_process(node)
     try:
         key = NodeKey.load_or_create(node.key_file)
         trainer = Trainer(

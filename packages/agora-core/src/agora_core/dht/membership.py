@@ -117,6 +117,7 @@ class MemberTable:
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
         self.suspicions = 0  # times this node saw another member become suspect
+        self.deaths = 0  # times this node saw another member declared dead
         self._queue(me)
 
     # --- views ------------------------------------------------------------------------------
@@ -162,8 +163,7 @@ class MemberTable:
         if old is None:
             update.changed_at = now
             self._members[update.node_id] = update
-            if update.status == Status.SUSPECT:
-                self.suspicions += 1
+            self._count(update.status)
             if update.status not in GONE:
                 self._queue(update)
                 self._on_new_member(update.node_id)
@@ -173,14 +173,19 @@ class MemberTable:
             return False
         if update.status != old.status:
             old.changed_at = now
-            if update.status == Status.SUSPECT:
-                self.suspicions += 1
+            self._count(update.status)
         if update.status == Status.ALIVE or old.status in GONE:
             old.address, old.public_key = update.address, update.public_key
         old.incarnation, old.status = update.incarnation, update.status
         self._queue(old)
         self._on_change()
         return True
+
+    def _count(self, status: Status) -> None:
+        if status == Status.SUSPECT:
+            self.suspicions += 1
+        elif status == Status.DEAD:
+            self.deaths += 1
 
     def _about_me(self, update: Member) -> None:
         if self.leaving:

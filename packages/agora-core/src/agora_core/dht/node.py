@@ -115,6 +115,7 @@ class DhtNode:
         )
         self._m_suspicions = m.gauge("agora_dht_suspicions", "Members this node saw become suspect.")
         self._m_refutations = m.gauge("agora_dht_refutations", "Suspicions of this node it refuted.")
+        self._m_deaths = m.gauge("agora_dht_deaths", "Members this node saw declared dead.")
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -478,6 +479,7 @@ class DhtNode:
         self._m_records.set(len(self.records))
         self._m_suspicions.set(self.table.suspicions)
         self._m_refutations.set(self.table.refutations)
+        self._m_deaths.set(self.table.deaths)
 
     async def _handoff(self) -> None:
         """Push each key's records to replicas that joined its replica set since we last did."""

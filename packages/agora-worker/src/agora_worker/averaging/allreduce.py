@@ -63,10 +63,10 @@ class SliceReduction:
     deadline: float  # time.monotonic() by which the round ends, reduced or not
     compress: bool = True  # differences go back LZ4-compressed where a chunk pays for it
     clock: Callable[[], float] = time.monotonic  # when chunks arrive (tests drive their own)
-    _inputs: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # chunk -> sender -> values
+    # chunk -> sender -> (its values, whether its difference may overwrite them)
+    _inputs: dict[int, dict[str, tuple[np.ndarray, bool]]] = field(default_factory=dict)
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
     _done: set[int] = field(default_factory=set)
-    _owned: set[tuple[str, int]] = field(default_factory=set)  # (sender, chunk) inputs to reuse
     banned: set[str] = field(default_factory=set)
     outboxes: dict[str, asyncio.Queue] = field(default_factory=dict)  # sender -> (chunk, difference)
     received: int = 0  # (sender, chunk) inputs that arrived in time
@@ -107,9 +107,7 @@ class SliceReduction:
         start, stop = self.chunks[index]
         if values.shape != (stop - start,):
             raise ValueError(f"chunk {index} must hold {stop - start} values, got {values.shape}")
-        self._inputs.setdefault(index, {})[sender] = values
-        if owned and values.flags.writeable:
-            self._owned.add((sender, index))
+        self._inputs.setdefault(index, {})[sender] = (values, owned and values.flags.writeable)
         self.heard_from.add(sender)
         self._last_heard[sender] = self.clock()
         self.received += 1
@@ -128,8 +126,7 @@ class SliceReduction:
         )
         self.outboxes[sender].put_nowait(None)  # nothing more for it
         for index, inputs in list(self._inputs.items()):
-            if inputs.pop(sender, None) is not None:  # its chunks are averaged without it
-                self._owned.discard((sender, index))
+            inputs.pop(sender, None)  # its chunks are averaged without it
             self._try_finish(index)
 
     def check_deadlines(self) -> None:
@@ -160,16 +157,13 @@ class SliceReduction:
         live = self.live()
         if index in self._done or not live or any(s not in inputs for s in live):
             return
-        values = [inputs[s] for s in live]
+        values = [inputs[s][0] for s in live]
         # A received buffer takes its sender's difference in place; the reducer's own values
         # (its snapshot) get a new one.
-        outs = [
-            v if (s, index) in self._owned else np.empty_like(v) for s, v in zip(live, values, strict=True)
-        ]
+        outs = [v if reusable else np.empty_like(v) for v, reusable in (inputs[s] for s in live)]
         _average_minus_each(values, self._shares(live), outs)
         for sender, difference in zip(live, outs, strict=True):
             self.outboxes[sender].put_nowait((index, difference))
-        self._owned.difference_update((sender, index) for sender in inputs)
         self._done.add(index)
         del self._inputs[index]
         if self.finished:

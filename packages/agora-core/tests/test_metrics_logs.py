@@ -45,6 +45,22 @@ def test_declaring_twice_returns_the_same_metric_and_conflicts_are_refused():
         metrics.counter("agora_test_other_total", "Other.", ["stage"])
 
 
+def test_a_counter_read_at_collection_time_sums_its_sources():
+    metrics = NodeMetrics(role="worker", instance="w1")
+    first, second = {"sent": 0}, {"sent": 0}
+    for totals in (first, second):  # e.g. two sockets of one node, each counting in plain ints
+        metrics.counter_from(
+            "agora_test_bytes_total", "Bytes.", ["direction"], lambda t=totals: {("sent",): t["sent"]}
+        )
+    first["sent"], second["sent"] = 100, 23
+    assert metrics.sample_value("agora_test_bytes_total", {"direction": "sent"}) == 123
+    second["sent"] = 30  # read afresh at every collection, never cached
+    text = metrics.exposition().decode()
+    assert 'agora_test_bytes_total{direction="sent",instance="w1",role="worker",stage=""} 130.0' in text
+    with pytest.raises(ValueError, match="already declared"):
+        metrics.counter("agora_test_bytes_total", "Bytes.", ["direction"])
+
+
 def test_metrics_are_served_over_http():
     metrics = NodeMetrics(role="trainer", instance="t1")
     metrics.counter("agora_test_scraped_total", "Scraped.").inc(2)

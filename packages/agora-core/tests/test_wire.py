@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from agora_core.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy
 from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
@@ -112,6 +113,24 @@ def test_raw_single_frame_is_decoded_without_copy():
     out = decode([frames[0], buffer], CONFIG.limits).tensors["x"]
     buffer[:8] = bytes(8)  # the decoded array views the received frame
     assert out[0] == 0.0
+
+
+def test_an_array_spanning_a_whole_received_frame_goes_back_as_that_frame():
+    # A reducer returns a difference in the buffer the chunk came in: the encoder hands the
+    # transport the buffer's own object (zmq passes a Frame on by reference, no new frame).
+    data = np.random.default_rng(4).random(1 << 15)
+    frames = encode(Message(kind=Kind.STREAM, tensors={"x": data}, compress=False), CONFIG)
+    received = zmq.Frame(bytes(frames[1]))
+    values = decode([frames[0], received], CONFIG.limits).tensors["x"]
+    values -= 1.0  # computed in place
+    out = encode(Message(kind=Kind.STREAM, tensors={"delta": values}, compress=False), CONFIG)
+    assert out[1] is received
+    assert np.array_equal(decode(out, CONFIG.limits).tensors["delta"], data - 1.0)
+    # Part of a frame, or an array over plain bytes, still goes as a view of its own bytes.
+    part = encode(Message(kind=Kind.STREAM, tensors={"d": values[1:]}, compress=False), CONFIG)
+    assert isinstance(part[1], memoryview) and part[1].nbytes == values[1:].nbytes
+    over_bytes = decode([frames[0], bytes(frames[1])], CONFIG.limits).tensors["x"]
+    assert isinstance(encode(Message(kind=Kind.STREAM, tensors={"d": over_bytes}), CONFIG)[1], memoryview)
 
 
 def test_compression_can_be_disabled():

@@ -10,9 +10,10 @@ contributors behind NAT push to a gateway (:meth:`NodeMetrics.push`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import push_to_gateway, start_http_server
 from prometheus_client.metrics_core import Metric
 
@@ -33,6 +34,28 @@ class _LabelledRegistry(CollectorRegistry):
                 sample._replace(labels={**self._node_labels, **sample.labels}) for sample in metric.samples
             ]
             yield stamped
+
+
+CounterReading = Callable[[], dict[tuple[str, ...], float]]  # label values -> running total
+
+
+class _ReadCounter:
+    """A counter whose totals live elsewhere (plain ints on a hot path) and are read when
+    the registry is collected; the totals of every source declared under the name add up."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]):
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.sources: list[CounterReading] = []
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        totals: dict[tuple[str, ...], float] = {}
+        for read in self.sources:
+            for labels, value in read().items():
+                totals[labels] = totals.get(labels, 0.0) + value
+        for labels, value in totals.items():
+            family.add_metric(labels, value)
+        yield family
 
 
 class MetricsEndpoint:
@@ -75,12 +98,25 @@ class NodeMetrics:
                 if known[0] is not cls or known[1] != labelnames:
                     raise ValueError(f"metric {name!r} already declared as {known[0].__name__}{known[1]}")
                 return known[2]
-            metric = cls(name, documentation, labelnames, registry=self.registry, **kwargs)
+            if cls is _ReadCounter:
+                metric = _ReadCounter(name, documentation, labelnames)
+                self.registry.register(metric)
+            else:
+                metric = cls(name, documentation, labelnames, registry=self.registry, **kwargs)
             self._metrics[name] = (cls, labelnames, metric)
             return metric
 
     def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Counter:
         return self._declare(Counter, name, documentation, labelnames)
+
+    def counter_from(
+        self, name: str, documentation: str, labelnames: Sequence[str], read: CounterReading
+    ) -> None:
+        """A counter read at collection time: ``read()`` returns the running totals by label
+        values. For counts bumped per message, where a Counter.inc() per message costs more
+        than the message's own bookkeeping. Sources declared under one name add up."""
+        counter = self._declare(_ReadCounter, name, documentation, labelnames)
+        counter.sources.append(read)
 
     def gauge(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
         return self._declare(Gauge, name, documentation, labelnames)

@@ -118,6 +118,7 @@ def _tensor_frames(
     codecs: list[int] = []
     sizes: list[int] = []
     frames: list[memoryview | bytes] = []
+    whole = _whole_buffer(array) if nbytes >= _WHOLE_BUFFER_MIN_BYTES else None
     if nbytes:
         data = memoryview(array.reshape(-1).view(np.uint8))
         run_start = None  # start of the current run of raw chunks, sent as one frame
@@ -134,7 +135,10 @@ def _tensor_frames(
                 run_start = None
             frames.append(payload)
         if run_start is not None:
-            frames.append(data[run_start:])
+            # All of a received message's buffer, sent on (a reducer returns a difference in
+            # the buffer its chunk came in): the buffer's own object goes, so a transport
+            # that made it can pass it on by reference (zmq: no new frame, no release thread).
+            frames.append(whole if run_start == 0 and whole is not None else data[run_start:])
     descriptor = {
         "name": name,
         "dtype": dtype,
@@ -145,6 +149,29 @@ def _tensor_frames(
         "sizes": sizes,
     }
     return descriptor, frames, nbytes
+
+
+_WHOLE_BUFFER_MIN_BYTES = 64 * 1024  # below this a transport copies anyway
+
+
+def _whole_buffer(array: np.ndarray) -> Any:
+    """The object exporting ``array``'s memory if ``array`` spans exactly all of it, else None.
+
+    A C-contiguous array holding as many bytes as its exporter's whole buffer can only be that
+    buffer, start to end.
+    """
+    owner = array.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    if owner is None or isinstance(owner, (bytes, bytearray, memoryview)):
+        return None  # plain buffers gain nothing over a view
+    try:
+        size = memoryview(owner).nbytes
+    except TypeError:
+        return None
+    return owner if size == array.nbytes else None
 
 
 def encode(message: Message, config: WireConfig) -> list[memoryview | bytes]:

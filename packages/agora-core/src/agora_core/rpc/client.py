@@ -116,11 +116,12 @@ class RpcClient:
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
         self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
         self._lost_listeners: list[Callable[[str], None]] = []
-        client_bytes = metrics.counter(
-            "agora_rpc_client_bytes_total", "Bytes through the client socket.", ["direction"]
+        metrics.counter_from(
+            "agora_rpc_client_bytes_total",
+            "Bytes through the client socket.",
+            ["direction"],
+            self.traffic.bytes_by_direction,
         )
-        self._m_sent = client_bytes.labels(direction="sent")
-        self._m_received = client_bytes.labels(direction="received")
 
     def on_connection_lost(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(address)`` whenever an established connection drops (the peer
@@ -207,7 +208,6 @@ class RpcClient:
         frames = encode(message, self.config.wire)
         nbytes = frames_nbytes(frames)
         self.traffic.sent(nbytes)
-        self._m_sent.inc(nbytes)
         try:
             await self._socket().send([peer.routing_id, *frames], deadline)
         except ConnectionError:
@@ -227,7 +227,6 @@ class RpcClient:
     def _on_frames(self, frames: list) -> None:
         nbytes = frames_nbytes(frames)
         self.traffic.received(nbytes)
-        self._m_received.inc(nbytes)
         peer = self._by_routing_id.get(frames[0].bytes)
         if peer is None or len(frames) < 2:
             return  # from a connection already dropped
@@ -404,6 +403,7 @@ class RpcClient:
             raise
         finally:
             peer.streams.pop(rid, None)
+            stream.close()
             if not stream.done:
                 self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
             self._count(outcome)

@@ -113,12 +113,13 @@ class RpcServer:
         )
         self._m_inflight = metrics.gauge("agora_rpc_inflight_requests", "Requests being handled.")
         self._m_children: dict[tuple[str, str], tuple] = {}
-        server_bytes = metrics.counter(
-            "agora_rpc_server_bytes_total", "Bytes through the server socket.", ["direction"]
+        self.traffic = Traffic()  # messages and bytes, as plain numbers for tools and benchmarks
+        metrics.counter_from(
+            "agora_rpc_server_bytes_total",
+            "Bytes through the server socket.",
+            ["direction"],
+            self.traffic.bytes_by_direction,
         )
-        self._m_received = server_bytes.labels(direction="received")
-        self._m_sent = server_bytes.labels(direction="sent")
-        self.traffic = Traffic()  # the same, as plain numbers for tools and benchmarks
 
     # --- registration and lifecycle --------------------------------------------------------
 
@@ -187,7 +188,6 @@ class RpcServer:
 
     def _on_frames(self, frames: list) -> None:
         nbytes = frames_nbytes(frames)
-        self._m_received.inc(nbytes)
         self.traffic.received(nbytes)
         if len(frames) < 2:
             self._reject("malformed")
@@ -293,6 +293,8 @@ class RpcServer:
         if call is None:
             return
         call.timer.cancel()
+        if call.stream is not None:
+            call.stream.close()
         self._m_inflight.dec()
         children = self._m_children.get((call.method, call.outcome))
         if children is None:  # labels() is slow; bind each (method, outcome) once
@@ -362,7 +364,6 @@ class RpcServer:
         frames = encode(message, self.config.wire)
         if self._pump is not None:
             nbytes = frames_nbytes(frames)
-            self._m_sent.inc(nbytes)
             self.traffic.sent(nbytes)
             await self._pump.send([identity, *frames])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,7 +47,13 @@ class StreamChannel:
         self._received = 0
         self._consumed_unacked = 0
         self._inbound: collections.deque[Message] = collections.deque()
-        self._changed = asyncio.Event()  # credit arrived, an item arrived, or the channel ended
+        # Coroutines waiting for a change (credit, an item, the end, an error, the deadline):
+        # a sender waiting for credit and a receiver waiting for items may wait at once. One
+        # timer per channel wakes them at the deadline -- cheaper than a timeout per wait,
+        # which the per-item path would otherwise pay twice.
+        self._waiters: list[asyncio.Future] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._expired = False
         self._peer_ended = False
         self._ended = False
         self._error: BaseException | None = None
@@ -55,7 +62,7 @@ class StreamChannel:
 
     def grant(self, credit: int) -> None:
         self._credit += credit
-        self._changed.set()
+        self._wake()
 
     def feed(self, message: Message) -> None:
         """An item from the peer; raises StreamError when the peer broke the protocol."""
@@ -68,17 +75,17 @@ class StreamChannel:
             if self._received > self._granted:
                 raise StreamError(f"stream {self.method!r}: peer sent beyond its credit")
             self._inbound.append(message)
-        self._changed.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._changed.set()
+        self._wake()
 
     def finish_inbound(self) -> None:
         """No more items will come (the final reply arrived)."""
         self._peer_ended = True
-        self._changed.set()
+        self._wake()
 
     @property
     def buffered(self) -> int:
@@ -86,16 +93,37 @@ class StreamChannel:
 
     # --- used by the stream's owner coroutine ---------------------------------------------
 
+    def close(self) -> None:
+        """The call is over: drop the deadline timer (it would keep the channel alive)."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._wake()
+
     async def _wait_changed(self, what: str) -> None:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
+        """Wait until something changed; the caller looks again at what it waits for."""
+        if self._expired or time.monotonic() >= self._deadline:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}")
-        self._changed.clear()
+        loop = asyncio.get_running_loop()
+        if self._deadline_timer is None:
+            self._deadline_timer = loop.call_at(self._deadline, self._expire)  # loop.time() is monotonic
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
         try:
-            async with asyncio.timeout(remaining):
-                await self._changed.wait()
-        except TimeoutError:
-            raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}") from None
+            await waiter
+        except asyncio.CancelledError:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            raise
 
     async def send(
         self, meta: Any = None, tensors: dict[str, Tensor] | None = None, *, compress: bool = True

@@ -89,3 +89,7 @@ class Traffic:
     def received(self, nbytes: int) -> None:
         self.messages_received += 1
         self.bytes_received += nbytes
+
+    def bytes_by_direction(self) -> dict[tuple[str, ...], float]:
+        """The byte totals as a metrics reading (``NodeMetrics.counter_from``)."""
+        return {("sent",): self.bytes_sent, ("received",): self.bytes_received}

@@ -23,6 +23,7 @@ from agora_core.errors import (
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
 from agora_core.testing import wait_until_async as wait_until
+from agora_core.wire import PROTOCOL_VERSION
 
 
 def raw_dealer(address: str) -> zmq.Socket:
@@ -160,7 +161,7 @@ async def test_deadline_exceeded_on_client_and_handler_cancelled_on_server(serve
 async def test_server_enforces_the_callers_deadline_by_itself(server, slow):
     dealer = raw_dealer(server.address)  # a caller that never cancels: only the deadline acts
     try:
-        header = {"v": [1, 0], "kind": 1, "method": "slow", "id": 5, "deadline_s": 0.2}
+        header = {"v": list(PROTOCOL_VERSION), "kind": 1, "method": "slow", "id": 5, "deadline_s": 0.2}
         t0 = time.monotonic()
         dealer.send_multipart([msgpack.packb(header)])
         reply = await raw_reply(dealer)
@@ -227,7 +228,7 @@ async def test_malformed_request_with_an_id_gets_a_bad_request_reply(server):
     dealer = raw_dealer(server.address)  # declares a tensor but sends no data frame
     try:
         header = {
-            "v": [1, 0],
+            "v": list(PROTOCOL_VERSION),
             "kind": 1,
             "method": "echo",
             "id": 42,

@@ -13,6 +13,7 @@ import zmq
 from agora_core.errors import BadRequest, DeadlineExceeded, StreamError
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer, receive_tensor, send_tensor
 from agora_core.testing import wait_until_async
+from agora_core.wire import PROTOCOL_VERSION
 
 WINDOW = 4
 
@@ -57,6 +58,34 @@ async def test_full_duplex_items_flow_both_ways_while_the_other_side_sends(serve
         result = await stream.result()
     assert seen == list(range(50))
     assert result.meta == {"count": 50, "opened_with": "hello"}
+
+
+async def test_credit_rides_on_the_items_going_back(server, client):
+    # A reducer returns one difference per chunk: the credit each side owes goes on the items
+    # it sends anyway, so few credit messages are needed (one per two items without it).
+    async def echo(stream):
+        async for item in stream:
+            await stream.send(item.meta, item.tensors)
+
+    server.register("echo", echo, stream=True)
+    items = 40
+    server_in, client_in = server.traffic.messages_received, client.traffic.messages_received
+    async with client.open_stream(server.address, "echo") as stream:
+
+        async def send():
+            for i in range(items):
+                await stream.send(i, {"x": np.full(256, i, dtype=np.float32)})
+            await stream.end()
+
+        sender = asyncio.create_task(send())
+        returned = [item.meta async for item in stream]
+        await sender
+        await stream.result()
+    assert returned == list(range(items))
+    credit_from_client = server.traffic.messages_received - server_in - (items + 2)  # + request, end
+    credit_from_server = client.traffic.messages_received - client_in - (items + 2)  # + window, reply
+    # Without it: one credit message per two items each way (2 * items / 2 in all).
+    assert credit_from_client + credit_from_server <= items // 3
 
 
 async def test_slow_consumer_never_buffers_more_than_the_window(server, client):
@@ -137,10 +166,10 @@ async def test_sender_ignoring_credit_gets_a_stream_error(server):
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(server.address)
     try:
-        open_call = {"v": [1, 0], "kind": 1, "method": "never_reads", "id": 9, "credit": 4}
+        open_call = {"v": list(PROTOCOL_VERSION), "kind": 1, "method": "never_reads", "id": 9, "credit": 4}
         dealer.send_multipart([msgpack.packb(open_call)])
         for _ in range(WINDOW + 3):  # more items than the server granted
-            dealer.send_multipart([msgpack.packb({"v": [1, 0], "kind": 4, "id": 9})])
+            dealer.send_multipart([msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 4, "id": 9})])
         replies = []
 
         def got_error():

@@ -10,7 +10,7 @@ import zmq
 from agora_core.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy
 from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
 from agora_core.errors import LimitExceeded, MalformedMessage, UnsupportedProtocolVersion, WireError
-from agora_core.wire import Kind, Message, WireConfig, WireLimits, decode, encode
+from agora_core.wire import PROTOCOL_VERSION, Kind, Message, WireConfig, WireLimits, decode, encode
 
 CONFIG = WireConfig()
 SMALL_CHUNKS = WireConfig(chunk_bytes=4096)
@@ -187,11 +187,11 @@ def test_unknown_major_version_is_refused_with_a_clear_error():
         [],
         [b"\xc1garbage"],
         [msgpack.packb([1, 2, 3])],
-        [msgpack.packb({"v": [1, 0], "kind": 99, "id": 1})],
-        [msgpack.packb({"v": [1, 0], "kind": 1, "id": -5})],
-        [msgpack.packb({"v": [1, 0], "kind": 1, "id": 1, "method": 5})],
-        [msgpack.packb({"v": [1, 0], "kind": 1, "id": 1, "tensors": "x"})],
-        [msgpack.packb({"v": [1, 0], "kind": 1, "id": 1, "deadline_s": "soon"})],
+        [msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 99, "id": 1})],
+        [msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 1, "id": -5})],
+        [msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 1, "id": 1, "method": 5})],
+        [msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 1, "id": 1, "tensors": "x"})],
+        [msgpack.packb({"v": list(PROTOCOL_VERSION), "kind": 1, "id": 1, "deadline_s": "soon"})],
     ],
     ids=[
         "empty",

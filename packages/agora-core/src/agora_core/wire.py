@@ -30,7 +30,9 @@ from agora_core.dtypes import (
 )
 from agora_core.errors import LimitExceeded, MalformedMessage, UnsupportedProtocolVersion, WireError
 
-PROTOCOL_VERSION = (1, 0)  # (major, minor): a different major is refused, minors interoperate
+# (major, minor): a different major is refused, minors interoperate. 2: stream items and ends
+# may carry credit (a 1.x peer would ignore it and stall).
+PROTOCOL_VERSION = (2, 0)
 MiB = 1 << 20
 
 

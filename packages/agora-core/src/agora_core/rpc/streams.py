@@ -2,7 +2,8 @@
 
 A receiver grants its peer a window of items (``RpcConfig.stream_window``). The sender spends
 one credit per item and waits when it has none; the receiver grants credits back as its
-consumer takes items, in batches of half a window. A receiver therefore never buffers more
+consumer takes items: on the items it sends the other way anyway, else in a credit message
+once half a window is consumed. A receiver therefore never buffers more
 than one window of items, however fast the sender or slow the consumer — a peer that sends
 beyond its credit breaks the protocol and the stream is aborted with :class:`StreamError`.
 """
@@ -47,11 +48,11 @@ class StreamChannel:
         self._received = 0
         self._consumed_unacked = 0
         self._inbound: collections.deque[Message] = collections.deque()
-        # Coroutines waiting for a change (credit, an item, the end, an error, the deadline):
-        # a sender waiting for credit and a receiver waiting for items may wait at once. One
-        # timer per channel wakes them at the deadline -- cheaper than a timeout per wait,
-        # which the per-item path would otherwise pay twice.
-        self._waiters: list[asyncio.Future] = []
+        # Coroutines waiting for credit (senders) and for items (receivers); the end, an error
+        # or the deadline wakes both. One timer per channel wakes them at the deadline --
+        # cheaper than a timeout per wait, which the per-item path would otherwise pay twice.
+        self._credit_waiters: list[asyncio.Future] = []
+        self._item_waiters: list[asyncio.Future] = []
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._expired = False
         self._peer_ended = False
@@ -62,7 +63,7 @@ class StreamChannel:
 
     def grant(self, credit: int) -> None:
         self._credit += credit
-        self._wake()
+        _wake(self._credit_waiters)
 
     def feed(self, message: Message) -> None:
         """An item from the peer; raises StreamError when the peer broke the protocol."""
@@ -75,17 +76,17 @@ class StreamChannel:
             if self._received > self._granted:
                 raise StreamError(f"stream {self.method!r}: peer sent beyond its credit")
             self._inbound.append(message)
-        self._wake()
+        _wake(self._item_waiters)
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._wake()
+        self._wake_all()
 
     def finish_inbound(self) -> None:
         """No more items will come (the final reply arrived)."""
         self._peer_ended = True
-        self._wake()
+        self._wake_all()
 
     @property
     def buffered(self) -> int:
@@ -99,30 +100,28 @@ class StreamChannel:
             self._deadline_timer.cancel()
             self._deadline_timer = None
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _wake_all(self) -> None:
+        _wake(self._item_waiters)
+        _wake(self._credit_waiters)
 
     def _expire(self) -> None:
         self._expired = True
-        self._wake()
+        self._wake_all()
 
-    async def _wait_changed(self, what: str) -> None:
-        """Wait until something changed; the caller looks again at what it waits for."""
+    async def _wait_changed(self, waiters: list[asyncio.Future], what: str) -> None:
+        """Wait on ``waiters``' next change; the caller looks again at what it waits for."""
         if self._expired or time.monotonic() >= self._deadline:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}")
         loop = asyncio.get_running_loop()
         if self._deadline_timer is None:
             self._deadline_timer = loop.call_at(self._deadline, self._expire)  # loop.time() is monotonic
         waiter = loop.create_future()
-        self._waiters.append(waiter)
+        waiters.append(waiter)
         try:
             await waiter
         except asyncio.CancelledError:
             with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
+                waiters.remove(waiter)
             raise
 
     async def send(
@@ -136,7 +135,7 @@ class StreamChannel:
         while self._credit <= 0:
             if self._error is not None:
                 raise self._error
-            await self._wait_changed("waiting for credit to send")
+            await self._wait_changed(self._credit_waiters, "waiting for credit to send")
         if self._error is not None:
             raise self._error
         self._credit -= 1
@@ -147,6 +146,7 @@ class StreamChannel:
                 meta=meta,
                 tensors=tensors or {},
                 compress=compress,
+                credit=self._piggyback(),
             )
         )
 
@@ -154,7 +154,23 @@ class StreamChannel:
         """Tell the peer no more items follow (costs no credit). Idempotent."""
         if not self._ended and self._error is None:
             self._ended = True
-            await self._send_message(Message(kind=Kind.STREAM, request_id=self.request_id, end=True))
+            await self._send_message(
+                Message(kind=Kind.STREAM, request_id=self.request_id, end=True, credit=self._piggyback())
+            )
+
+    def _piggyback(self) -> int:
+        """Credit for the items consumed so far, to ride on a message going out anyway.
+
+        Where items flow both ways (a reducer returns one difference per chunk), most credit
+        travels this way and few credit messages are needed; a credit message still goes once
+        half a window is consumed and nothing went out meanwhile, so credit is never later.
+        """
+        credit = self._consumed_unacked
+        if not credit or self._peer_ended:
+            return 0
+        self._consumed_unacked = 0
+        self._granted += credit
+        return credit
 
     async def receive(self) -> Payload | None:
         """The next item from the peer, or None once it ended; raises the stream's error."""
@@ -163,13 +179,18 @@ class StreamChannel:
                 raise self._error
             if self._peer_ended:
                 return None
-            await self._wait_changed("waiting for the next item")
+            await self._wait_changed(self._item_waiters, "waiting for the next item")
         message = self._inbound.popleft()
         self._consumed_unacked += 1
-        if self._consumed_unacked >= max(1, self._window // 2) and not self._peer_ended:
-            credit, self._consumed_unacked = self._consumed_unacked, 0
-            self._granted += credit
-            await self._send_message(Message(kind=Kind.CREDIT, request_id=self.request_id, credit=credit))
+        threshold = max(1, self._window // 2)
+        if self._consumed_unacked >= threshold and not self._peer_ended:
+            # Items often arrive in bursts, each with credit for this side's sender: let a
+            # sender woken by it go first and carry the credit on its item.
+            await asyncio.sleep(0)
+            if self._consumed_unacked >= threshold and not self._peer_ended and self._error is None:
+                credit, self._consumed_unacked = self._consumed_unacked, 0
+                self._granted += credit
+                await self._send_message(Message(kind=Kind.CREDIT, request_id=self.request_id, credit=credit))
         return Payload(message.meta, message.tensors)
 
     def __aiter__(self):
@@ -180,6 +201,13 @@ class StreamChannel:
         if item is None:
             raise StopAsyncIteration
         return item
+
+
+def _wake(waiters: list[asyncio.Future]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    waiters.clear()
 
 
 class ServerStream(StreamChannel):

@@ -43,9 +43,10 @@ class _ReadCounter:
     """A counter whose totals live elsewhere (plain ints on a hot path) and are read when
     the registry is collected; the totals of every source declared under the name add up."""
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]):
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], *, registry):
         self.name, self.documentation, self.labelnames = name, documentation, labelnames
         self.sources: list[CounterReading] = []
+        registry.register(self)
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -98,11 +99,7 @@ class NodeMetrics:
                 if known[0] is not cls or known[1] != labelnames:
                     raise ValueError(f"metric {name!r} already declared as {known[0].__name__}{known[1]}")
                 return known[2]
-            if cls is _ReadCounter:
-                metric = _ReadCounter(name, documentation, labelnames)
-                self.registry.register(metric)
-            else:
-                metric = cls(name, documentation, labelnames, registry=self.registry, **kwargs)
+            metric = cls(name, documentation, labelnames, registry=self.registry, **kwargs)
             self._metrics[name] = (cls, labelnames, metric)
             return metric
 

@@ -112,15 +112,14 @@ _RAW_ONLY = CompressionPolicy(enabled=False)
 
 def _tensor_frames(
     name: str, tensor: Tensor, config: WireConfig, compress: bool
-) -> tuple[dict[str, Any], list[memoryview | bytes], int]:
+) -> tuple[dict[str, Any], list[Any], int]:
     dtype, array = as_wire_array(tensor)
     nbytes = array.nbytes
     step = config.chunk_bytes
     policy = config.compression if compress else _RAW_ONLY
     codecs: list[int] = []
     sizes: list[int] = []
-    frames: list[memoryview | bytes] = []
-    whole = _whole_buffer(array) if nbytes >= _WHOLE_BUFFER_MIN_BYTES else None
+    frames: list[Any] = []  # memoryviews, LZ4 bytes, or a whole buffer's own object
     if nbytes:
         data = memoryview(array.reshape(-1).view(np.uint8))
         run_start = None  # start of the current run of raw chunks, sent as one frame
@@ -140,7 +139,8 @@ def _tensor_frames(
             # All of a received message's buffer, sent on (a reducer returns a difference in
             # the buffer its chunk came in): the buffer's own object goes, so a transport
             # that made it can pass it on by reference (zmq: no new frame, no release thread).
-            frames.append(whole if run_start == 0 and whole is not None else data[run_start:])
+            whole = _whole_buffer(array) if run_start == 0 and nbytes >= _WHOLE_BUFFER_MIN_BYTES else None
+            frames.append(data[run_start:] if whole is None else whole)
     descriptor = {
         "name": name,
         "dtype": dtype,
@@ -176,13 +176,14 @@ def _whole_buffer(array: np.ndarray) -> Any:
     return owner if size == array.nbytes else None
 
 
-def encode(message: Message, config: WireConfig) -> list[memoryview | bytes]:
-    """Encode to ``[header, *buffers]``; raw chunks are memoryviews of the caller's arrays."""
+def encode(message: Message, config: WireConfig) -> list[Any]:
+    """Encode to ``[header, *buffers]``; raw chunks are memoryviews of the caller's arrays (or,
+    for an array spanning a whole buffer, that buffer's own object: see ``_whole_buffer``)."""
     limits = config.limits
     if len(message.tensors) > limits.max_tensors:
         raise LimitExceeded(f"{len(message.tensors)} tensors exceed the limit of {limits.max_tensors}")
     descriptors = []
-    buffers: list[memoryview | bytes] = []
+    buffers: list[Any] = []
     total = 0
     for name, tensor in message.tensors.items():
         if not isinstance(name, str) or not 0 < len(name) <= limits.max_name_chars:

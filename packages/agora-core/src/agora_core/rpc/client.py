@@ -257,8 +257,6 @@ class RpcClient:
         elif stream is not None and message.kind == Kind.STREAM:
             try:
                 stream.feed(message)
-                if message.credit:  # credit riding on the item: after it, so the item's
-                    stream.grant(message.credit)  # reader runs (and owes credit) first
             except Exception as exc:
                 _settle(None, stream, exc)
                 self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))

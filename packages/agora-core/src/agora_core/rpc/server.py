@@ -225,8 +225,6 @@ class RpcServer:
             try:
                 message.tensors = decode_tensors(header, data, limits)
                 call.stream.feed(message)
-                if message.credit:  # credit riding on the item: after it, so the item's
-                    call.stream.grant(message.credit)  # reader runs (and owes credit) first
             except (WireError, StreamError) as exc:
                 self._reject("stream_violation")
                 self._abort(key, call, exc if isinstance(exc, RpcError) else BadRequest(str(exc)))

@@ -66,7 +66,8 @@ class StreamChannel:
         _wake(self._credit_waiters)
 
     def feed(self, message: Message) -> None:
-        """An item from the peer; raises StreamError when the peer broke the protocol."""
+        """An item (or the end) from the peer, with any credit riding on it; raises
+        StreamError when the peer broke the protocol."""
         if self._peer_ended:
             raise StreamError(f"stream {self.method!r}: item after the peer's end")
         if message.end:
@@ -77,6 +78,8 @@ class StreamChannel:
                 raise StreamError(f"stream {self.method!r}: peer sent beyond its credit")
             self._inbound.append(message)
         _wake(self._item_waiters)
+        if message.credit:  # granted after the item, so the item's reader runs (and owes
+            self.grant(message.credit)  # credit) before the sender it unblocks
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:

@@ -5,8 +5,9 @@ slice to that slice's reducer in fixed-size chunks; the reducer queues each chun
 arrives and, once a chunk has come in from every live sender, takes their weighted average
 and streams back to each sender the *difference* between the average and that sender's
 chunk, while the next chunks are still on their way. Sending and reducing overlap: one
-stream per (sender, slice) carries chunks one way and differences the other. A sender that misses a chunk's deadline is banned for the round and the chunk is
-averaged over the others; a difference that never comes back leaves the local values alone.
+stream per (sender, slice) carries chunks one way and differences the other. A sender that
+misses a chunk's deadline is banned for the round and the chunk is averaged over the others;
+a difference that never comes back leaves the local values alone.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ fault (and a page zeroed by the kernel) for every 4 KiB of every chunk, every ti
 averaging benchmark that was a quarter of all CPU. Fixing both thresholds keeps chunk-sized
 blocks on the heap, where ``free`` + ``malloc`` reuse them without the kernel.
 
+Other threads allocate from arenas of 64 MiB heaps (zmq's I/O thread allocates every message
+it receives in its own), and glibc unmaps an arena's extra heap as soon as it is empty unless
+the top pad is at least a heap: with a round's chunks in flight, that heap emptied and came
+back every round, faulted in afresh. The top pad is address space reserved when a heap grows,
+not memory: pages still count only once touched.
+
 The cost is memory the process keeps after a burst: at most ``trim_threshold_bytes`` of free
 heap top, and each thread arena's own free space. Blocks larger than ``mmap_threshold_bytes``
 (whole segments, model weights) still come from ``mmap`` and go straight back.
@@ -26,9 +32,11 @@ from agora_core.logs import get_logger
 log = get_logger("core.allocator")
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's largest allowed: heap-served up to here
 TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024  # free heap top kept before giving memory back
+TOP_PAD_BYTES = 64 * 1024 * 1024  # a thread arena's heap (2 x glibc's largest mmap threshold)
 ENV_SWITCH = "AGORA_MALLOC_TUNING"
 
 
@@ -54,8 +62,10 @@ def tune_for_large_messages(
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
+    applied = (
+        bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes))
+        and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes))
+        and bool(mallopt(_M_TOP_PAD, TOP_PAD_BYTES))
     )
     if not applied:  # glibc refuses an mmap threshold above its maximum
         log.warning("malloc_tuning_refused", mmap_threshold_bytes=mmap_threshold_bytes)

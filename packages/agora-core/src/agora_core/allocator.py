@@ -14,7 +14,7 @@ back every round, faulted in afresh. The top pad is address space reserved when 
 not memory: pages still count only once touched.
 
 The cost is memory the process keeps after a burst: at most ``trim_threshold_bytes`` of free
-heap top, and each thread arena's own free space. Blocks larger than ``mmap_threshold_bytes``
+heap top, and up to a heap (the top pad) of each thread arena's free space. Blocks larger than ``mmap_threshold_bytes``
 (whole segments, model weights) still come from ``mmap`` and go straight back.
 
 ``AGORA_MALLOC_TUNING=0`` leaves malloc as it is. Elsewhere than glibc this does nothing.

@@ -376,9 +376,7 @@ class RpcClient:
         before the final reply cancels the call on the server. ``window``: the items the
         server may have in flight to this caller (default ``RpcConfig.stream_window``).
         """
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError("window is a positive item count")
-        window = window or self.config.stream_window
+        window = self.config.window(window)
         deadline = self._deadline(timeout_s)
         peer = self._peer(address)
         rid = next(self._request_ids)

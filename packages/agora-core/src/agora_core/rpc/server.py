@@ -135,9 +135,9 @@ class RpcServer:
             raise ValueError("method name must be a non-empty, bounded str")
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
-        if window is not None and (not stream or not isinstance(window, int) or window < 1):
-            raise ValueError("window is a positive item count, for streaming methods only")
-        self._handlers[method] = _Handler(handler, stream, window or self.config.stream_window)
+        if window is not None and not stream:
+            raise ValueError("a stream window is for streaming methods only")
+        self._handlers[method] = _Handler(handler, stream, self.config.window(window))
 
     @property
     def methods(self) -> list[str]:

@@ -40,7 +40,7 @@ class StreamChannel:
     ):
         self.request_id = request_id
         self.method = method
-        self._window = window
+        self._credit_batch = max(1, window // 2)  # consumed items worth a credit message of their own
         self._deadline = deadline
         self._send_message = send_message
         self._credit = peer_window  # items we may send before the peer grants more
@@ -185,12 +185,11 @@ class StreamChannel:
             await self._wait_changed(self._item_waiters, "waiting for the next item")
         message = self._inbound.popleft()
         self._consumed_unacked += 1
-        threshold = max(1, self._window // 2)
-        if self._consumed_unacked >= threshold and not self._peer_ended:
+        if self._consumed_unacked >= self._credit_batch and not self._peer_ended:
             # Items often arrive in bursts, each with credit for this side's sender: let a
             # sender woken by it go first and carry the credit on its item.
             await asyncio.sleep(0)
-            if self._consumed_unacked >= threshold and not self._peer_ended and self._error is None:
+            if self._consumed_unacked >= self._credit_batch and not self._peer_ended and self._error is None:
                 credit, self._consumed_unacked = self._consumed_unacked, 0
                 self._granted += credit
                 await self._send_message(Message(kind=Kind.CREDIT, request_id=self.request_id, credit=credit))

@@ -23,6 +23,14 @@ class RpcConfig:
     high_water_mark: int = 1000  # zmq messages queued per socket and peer
     reconnect_interval_s: float = 0.1  # first zmq reconnect delay; backs off to 20x
 
+    def window(self, requested: int | None) -> int:
+        """The stream window a method or caller asked for (None: this config's)."""
+        if requested is None:
+            return self.stream_window
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+            raise ValueError(f"a stream window is a positive item count, got {requested!r}")
+        return requested
+
     @classmethod
     def from_transport(cls, transport: TransportConfig, **overrides: Any) -> RpcConfig:
         """The RPC settings a run config's ``[transport]`` section asks for."""

@@ -7,23 +7,57 @@ torch), and every DHT node can enforce the schemas on receive with :func:`regist
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from agora_core.contract import Phase
+from agora_core.dht import DhtValue
 from agora_core.dht.records import RecordRejected
 from agora_core.dht.storage import Validators
 
-PHASES = ("serving", "weight_sync", "optimizer_sync")
+T = TypeVar("T")
 
 
-def stage_workers_key(run: str, stage: int) -> str:
+def stage_workers_key(run_name: str, stage: int) -> str:
     """Where the workers of ``stage`` announce themselves (one owned subkey each)."""
-    return f"{run}/stage/{stage}/workers"
+    return f"{run_name}/stage/{stage}/workers"
 
 
-def stage_progress_key(run: str, stage: int) -> str:
+def stage_progress_key(run_name: str, stage: int) -> str:
     """Where the workers of ``stage`` publish how many samples they accumulated this step."""
-    return f"{run}/stage/{stage}/progress"
+    return f"{run_name}/stage/{stage}/progress"
+
+
+def averaging_round_key(run_name: str, stage: int, round_index: int) -> str:
+    """Where the peers of ``stage`` meet for averaging round ``round_index`` (matchmaking)."""
+    return f"{run_name}/stage/{stage}/averaging/{round_index}"
+
+
+def averaging_summary_key(run_name: str, stage: int) -> str:
+    """Where the workers of ``stage`` publish their latest averaging round's report."""
+    return f"{run_name}/stage/{stage}/averaging/summary"
+
+
+def trainer_progress_key(run_name: str) -> str:
+    """Where trainers report their progress (one owned subkey each)."""
+    return f"{run_name}/trainers"
+
+
+def parse_entries(values: Mapping[str, DhtValue], parse: Callable[[Any], T]) -> list[T]:
+    """Every entry under a key that ``parse`` (a schema's ``from_value``) accepts.
+
+    A malformed entry (``RecordRejected``) is skipped: validators on the storing nodes should
+    have refused it, and one bad writer must not hide the others. Any other error is a bug and
+    propagates.
+    """
+    parsed = []
+    for value in values.values():
+        try:
+            parsed.append(parse(value.value))
+        except RecordRejected:
+            continue
+    return parsed
 
 
 def _field(value: dict, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -33,6 +67,13 @@ def _field(value: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     return item
 
 
+def _phase(value: dict) -> Phase:
+    try:
+        return Phase(_field(value, "phase", str))
+    except ValueError:
+        raise RecordRejected(f"phase must be one of {[p.value for p in Phase]}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerAnnouncement:
     """A worker's entry under :func:`stage_workers_key`, refreshed with a short expiry."""
@@ -40,7 +81,7 @@ class WorkerAnnouncement:
     node_id: str
     address: str
     stage: int
-    phase: str  # serving | weight_sync (invisible to trainers) | optimizer_sync
+    phase: Phase
     throughput: float  # samples per second it measured serving
     load: int  # samples waiting in its queues
     max_batch: int  # samples it merges into one microbatch at most
@@ -57,14 +98,12 @@ class WorkerAnnouncement:
             node_id=_field(value, "node_id", str),
             address=_field(value, "address", str),
             stage=_field(value, "stage", int),
-            phase=_field(value, "phase", str),
+            phase=_phase(value),
             throughput=float(_field(value, "throughput", (int, float))),
             load=_field(value, "load", int),
             max_batch=_field(value, "max_batch", int),
             version=_field(value, "version", str),
         )
-        if announcement.phase not in PHASES:
-            raise RecordRejected(f"phase must be one of {PHASES}")
         if announcement.stage < 0 or announcement.max_batch < 1 or announcement.load < 0:
             raise RecordRejected("stage, max_batch and load must be non-negative (max_batch >= 1)")
         return announcement
@@ -98,16 +137,6 @@ class StageProgress:
         if progress.step < 0 or progress.samples < 0:
             raise RecordRejected("step and samples must be non-negative")
         return progress
-
-
-def averaging_summary_key(run: str, stage: int) -> str:
-    """Where the workers of ``stage`` publish their latest averaging round's report."""
-    return f"{run}/stage/{stage}/averaging/summary"
-
-
-def trainer_progress_key(run: str) -> str:
-    """Where trainers report their progress (one owned subkey each)."""
-    return f"{run}/trainers"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,8 +176,8 @@ class TrainerProgress:
         return progress
 
 
-def register_validators(validators: Validators, run: str) -> None:
-    """Make a DHT node refuse malformed announcements and progress reports of ``run``."""
+def register_validators(validators: Validators, run_name: str) -> None:
+    """Make a DHT node refuse malformed announcements and progress reports of run ``run_name``."""
 
     def check(key: str, subkey: str, value: Any) -> None:
         if key.endswith("/workers"):
@@ -156,7 +185,7 @@ def register_validators(validators: Validators, run: str) -> None:
         elif key.endswith("/progress"):
             StageProgress.from_value(value)
 
-    validators.register(f"{run}/stage/", check)
+    validators.register(f"{run_name}/stage/", check)
     validators.register(
-        trainer_progress_key(run), lambda key, subkey, value: TrainerProgress.from_value(value)
+        trainer_progress_key(run_name), lambda key, subkey, value: TrainerProgress.from_value(value)
     )

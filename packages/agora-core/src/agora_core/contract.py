@@ -1,0 +1,68 @@
+"""The names the roles of a run share: RPC methods, worker phases and stage roles.
+
+Every role imports these (trainers without torch) instead of spelling the strings itself, so a
+rename is one change and a typo is an ``AttributeError`` at import, not a silent mismatch on
+the wire. DHT keys and the values stored under them live in :mod:`agora_core.schema`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Method:
+    """RPC method names, grouped by the role that serves them."""
+
+    # every DHT member (agora_core.dht)
+    DHT_JOIN = "dht.join"
+    DHT_PING = "dht.ping"
+    DHT_PING_REQ = "dht.ping_req"
+    DHT_SYNC = "dht.sync"
+    DHT_MEMBERS = "dht.members"
+    DHT_STORE = "dht.store"
+    DHT_GET = "dht.get"
+    DHT_DIGEST = "dht.digest"
+    # workers: the pipeline (called by trainers)
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    FORWARD_BACKWARD = "forward_backward"  # the tail only
+    # workers: operators, tools and peers of the same stage
+    WORKER_INFO = "worker.info"
+    WORKER_PARAMETERS = "worker.parameters"
+    PROGRESS_POKE = "progress.poke"
+    AVERAGING_START = "averaging.start"
+    AVERAGING_REDUCE = "averaging.reduce"  # a stream: chunks in, differences back
+    # `agora serve` (the transport self-check)
+    PING = "ping"
+    ECHO = "echo"
+
+
+class Phase(enum.StrEnum):
+    """Where a worker stands in joining its stage (the report's sync phases)."""
+
+    SERVING = "serving"  # a full participant
+    WEIGHT_SYNC = "weight_sync"  # catching up: invisible to trainers, averages at weight 0
+    OPTIMIZER_SYNC = "optimizer_sync"  # serves batches, but its samples do not count
+
+    @property
+    def visible_to_trainers(self) -> bool:
+        return self is not Phase.WEIGHT_SYNC
+
+    @property
+    def counts_samples(self) -> bool:
+        """Whether its samples count toward the stage's batch and weigh in averaging."""
+        return self is Phase.SERVING
+
+
+class StageRole(enum.StrEnum):
+    """What a stage does in the pipeline, from its position."""
+
+    HEAD = "head"  # embeds token ids; its backward returns no gradient
+    BODY = "body"  # boundary in, boundary out
+    TAIL = "tail"  # boundary in, loss out; trains with forward_backward
+
+    @classmethod
+    def of(cls, stage: int, n_stages: int) -> StageRole:
+        if not 0 <= stage < n_stages:
+            raise ValueError(f"stage {stage} does not exist: the run has stages 0..{n_stages - 1}")
+        return cls.HEAD if stage == 0 else cls.TAIL if stage == n_stages - 1 else cls.BODY

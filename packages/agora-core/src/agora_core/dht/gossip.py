@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agora_core.config.run import DhtConfig
+from agora_core.contract import Method
 from agora_core.dht.detector import FailureDetector
 from agora_core.dht.membership import Member, MemberTable, Status, parse_update
 from agora_core.dht.records import DhtError
@@ -57,11 +58,11 @@ class Gossip:
             "agora_dht_gossip_messages_total", "Membership messages sent.", ["kind"]
         )
         for method, handler in (
-            ("dht.join", self._on_join),
-            ("dht.ping", self._on_ping),
-            ("dht.ping_req", self._on_ping_req),
-            ("dht.sync", self._on_sync),
-            ("dht.members", self._on_members),
+            (Method.DHT_JOIN, self._on_join),
+            (Method.DHT_PING, self._on_ping),
+            (Method.DHT_PING_REQ, self._on_ping_req),
+            (Method.DHT_SYNC, self._on_sync),
+            (Method.DHT_MEMBERS, self._on_members),
         ):
             server.register(method, handler)
 
@@ -103,7 +104,7 @@ class Gossip:
                 try:
                     reply = await self.client.call(
                         address,
-                        "dht.join",
+                        Method.DHT_JOIN,
                         {"member": self.table.me.to_wire()},
                         timeout_s=self.config.op_timeout_s,
                     )
@@ -132,7 +133,7 @@ class Gossip:
     async def ping(self, member: Member, timeout_s: float) -> bool:
         self._m_sent.labels(kind="ping").inc()
         try:
-            reply = await self.client.call(member.address, "dht.ping", self._meta(), timeout_s=timeout_s)
+            reply = await self.client.call(member.address, Method.DHT_PING, self._meta(), timeout_s=timeout_s)
         except RpcError:
             return False
         self._absorb(reply.meta)
@@ -142,7 +143,7 @@ class Gossip:
         self._m_sent.labels(kind="ping_req").inc()
         meta = {**self._meta(), "target": target.to_wire()}
         try:
-            reply = await self.client.call(helper.address, "dht.ping_req", meta, timeout_s=timeout_s)
+            reply = await self.client.call(helper.address, Method.DHT_PING_REQ, meta, timeout_s=timeout_s)
         except RpcError:
             return False
         self._absorb(reply.meta)
@@ -185,7 +186,10 @@ class Gossip:
         self._m_sent.labels(kind="sync").inc()
         try:
             reply = await self.client.call(
-                peer.address, "dht.sync", {"digest": self.table.digest()}, timeout_s=self.config.op_timeout_s
+                peer.address,
+                Method.DHT_SYNC,
+                {"digest": self.table.digest()},
+                timeout_s=self.config.op_timeout_s,
             )
             meta = reply.meta if isinstance(reply.meta, dict) else {}
             if "members" in meta:
@@ -193,7 +197,7 @@ class Gossip:
                 if meta.get("digest") != self.table.digest():
                     await self.client.call(
                         peer.address,
-                        "dht.sync",
+                        Method.DHT_SYNC,
                         {"members": self.table.snapshot()},
                         timeout_s=self.config.op_timeout_s,
                     )

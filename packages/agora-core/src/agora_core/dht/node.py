@@ -1,11 +1,10 @@
 """A DHT node: SWIM membership plus one-hop replicated storage, served over Agora's RPC.
 
 Every node knows every member, so the R replicas of a key are computed locally and a store
-or get goes straight to them, in parallel: one hop, whatever the swarm size. Replicas answer
-with what they hold; the reader merges newest-wins and repairs replicas that were behind.
-When membership changes, each node hands the records it holds to their new replicas, so a
-record survives churn while one of its replicas lives. The node runs inside the caller's
-event loop (see ``BlockingDht`` for threads).
+or get goes straight to them, in parallel: one hop, whatever the swarm size. The node owns
+the lifecycle, the API and the periodic maintenance; ``gossip`` carries membership and
+``replication`` carries records (read merge and repair, handoff, anti-entropy). The node runs
+inside the caller's event loop (see ``BlockingDht`` for threads).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import collections
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +23,16 @@ from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
 from agora_core.dht.membership import Member, MemberTable, Status
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
-from agora_core.dht.storage import RecordStore, StoreLimits, Validators, newer
-from agora_core.errors import BadRequest, RpcError
+from agora_core.dht.replication import Replication
+from agora_core.dht.storage import RecordStore, StoreLimits, Validators
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
+from agora_core.rpc import RpcClient, RpcConfig, RpcServer
 
 log = get_logger("dht")
 
-MAX_KEYS_PER_CALL = 1024
 OP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -87,7 +85,6 @@ class DhtNode:
         self.records = RecordStore(limits, validators)
         self.gossip: Gossip | None = None
         self.table: MemberTable | None = None
-        self._replica_memo: dict[str, frozenset[str]] = {}  # key -> replicas it was last handed to
         self._alive_cache: list[tuple[int, Member]] | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -96,12 +93,16 @@ class DhtNode:
         self.recent_ops: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
         self.ops_done = 0
         self._declare_metrics()
-        for method, handler in (
-            ("dht.store", self._on_store),
-            ("dht.get", self._on_get),
-            ("dht.digest", self._on_digest),
-        ):
-            self.server.register(method, handler)
+        self.replication = Replication(
+            node_id=self.node_id,
+            records=self.records,
+            replicas=self.replicas,
+            config=self.config,
+            server=self.server,
+            client=self.client,
+            records_gauge=self._m_records,
+            spawn=self._spawn,
+        )
 
     def _declare_metrics(self) -> None:
         m = self.metrics
@@ -191,110 +192,7 @@ class DhtNode:
             self._alive_cache = [(m.position, m) for m in self.table.alive()]
         return closest(key_id(key), self._alive_cache, self.config.replication)
 
-    def _group_by_replica(self, keys: Iterable[str]) -> dict[str, tuple[Member, list[str]]]:
-        groups: dict[str, tuple[Member, list[str]]] = {}
-        for key in keys:
-            for member in self.replicas(key):
-                groups.setdefault(member.node_id, (member, []))[1].append(key)
-        return groups
-
-    # --- storage: handlers -----------------------------------------------------------------------
-
-    def _accept_items(self, items: Any, sender_now: Any) -> tuple[list[bool], list[str | None]]:
-        if not isinstance(items, list) or len(items) > MAX_KEYS_PER_CALL:
-            raise BadRequest(f"items must be a list of at most {MAX_KEYS_PER_CALL} [key, subkey, record]")
-        now = time.time()
-        stored: list[bool] = []
-        errors: list[str | None] = []
-        for item in items:
-            try:
-                if not isinstance(item, list) or len(item) != 3:
-                    raise RecordRejected("an item is [key, subkey, record]")
-                key, subkey, raw = item
-                record = Record.from_wire(raw)
-                self.records.validate(key, subkey, record, now=now, sender_now=sender_now)
-                stored.append(self.records.put(key, subkey, record, now=now))
-                errors.append(None)
-                self._replica_memo.setdefault(key, frozenset(m.node_id for m in self.replicas(key)))
-            except RecordRejected as exc:
-                stored.append(False)
-                errors.append(str(exc))
-        self._m_records.set(len(self.records))
-        return stored, errors
-
-    async def _on_store(self, request: Request) -> Payload:
-        meta = request.meta if isinstance(request.meta, dict) else {}
-        stored, errors = self._accept_items(meta.get("items"), meta.get("now"))
-        return Payload({"stored": stored, "errors": errors})
-
-    async def _on_get(self, request: Request) -> Payload:
-        keys = request.meta.get("keys") if isinstance(request.meta, dict) else None
-        if (
-            not isinstance(keys, list)
-            or len(keys) > MAX_KEYS_PER_CALL
-            or not all(isinstance(k, str) for k in keys)
-        ):
-            raise BadRequest(f"keys must be a list of at most {MAX_KEYS_PER_CALL} strings")
-        now = time.time()
-        found = {}
-        for key in keys:
-            records = self.records.get(key, now=now)
-            if records:
-                found[key] = {subkey: record.to_wire() for subkey, record in records.items()}
-        return Payload({"records": found})
-
-    async def _on_digest(self, request: Request) -> Payload:
-        """Anti-entropy: given (key -> subkey -> expiration), name what this replica lacks."""
-        digest = request.meta.get("digest") if isinstance(request.meta, dict) else None
-        if not isinstance(digest, dict) or len(digest) > MAX_KEYS_PER_CALL:
-            raise BadRequest("digest must map at most 1024 keys to {subkey: expiration}")
-        now = time.time()
-        wanted = []
-        for key, subkeys in digest.items():
-            if not isinstance(key, str) or not isinstance(subkeys, dict):
-                continue
-            held = self.records.get(key, now=now)
-            for subkey, expiration in subkeys.items():
-                record = held.get(subkey)
-                if record is None or (
-                    isinstance(expiration, (int, float)) and record.expiration < expiration
-                ):
-                    wanted.append([key, subkey])
-        return Payload({"wanted": wanted})
-
-    # --- storage: talking to replicas --------------------------------------------------------------
-
-    async def _store_at(
-        self, member: Member, items: list[tuple[str, str, Record]]
-    ) -> tuple[list[bool], list]:
-        if member.node_id == self.node_id:
-            return self._accept_items([[k, s, r.to_wire()] for k, s, r in items], None)
-        reply = await self.client.call(
-            member.address,
-            "dht.store",
-            {"items": [[k, s, r.to_wire()] for k, s, r in items], "now": time.time()},
-            timeout_s=self.config.op_timeout_s,
-        )
-        meta = reply.meta if isinstance(reply.meta, dict) else {}
-        return list(meta.get("stored") or []), list(meta.get("errors") or [])
-
-    async def _get_at(self, member: Member, keys: list[str]) -> dict[str, dict[str, Record]]:
-        if member.node_id == self.node_id:
-            now = time.time()
-            return {key: self.records.get(key, now=now) for key in keys}
-        reply = await self.client.call(
-            member.address, "dht.get", {"keys": keys}, timeout_s=self.config.op_timeout_s
-        )
-        raw = reply.meta.get("records", {}) if isinstance(reply.meta, dict) else {}
-        result: dict[str, dict[str, Record]] = {}
-        for key in keys:
-            subkeys = raw.get(key) or {}
-            parsed = {}
-            for subkey, wire in subkeys.items() if isinstance(subkeys, dict) else ():
-                with contextlib.suppress(RecordRejected):
-                    parsed[subkey] = Record.from_wire(wire)  # checked once merged: trust no replica
-            result[key] = parsed
-        return result
+    # --- metrics ----------------------------------------------------------------------------------
 
     def _observe(self, op: str, outcome: str, started: float) -> None:
         seconds = time.perf_counter() - started
@@ -337,76 +235,19 @@ class DhtNode:
     async def _put(self, key: str, subkey: str, record: Record, op: str) -> int:
         started = time.perf_counter()
         self.records.validate(key, subkey, record, now=time.time())  # the replicas' rules, locally first
-        replicas = self.replicas(key)
-        results = await asyncio.gather(
-            *(self._store_at(m, [(key, subkey, record)]) for m in replicas), return_exceptions=True
-        )
-        accepted = 0
-        for result in results:
-            if isinstance(result, BaseException):
-                continue
-            _stored, errors = result
-            if errors and errors[0]:
-                self._observe(op, "rejected", started)
-                raise RecordRejected(errors[0])
-            accepted += 1
-        if not accepted:
+        try:
+            accepted = await self.replication.write(key, subkey, record)
+        except RecordRejected:
+            self._observe(op, "rejected", started)
+            raise
+        except DhtError:
             self._observe(op, "unreachable", started)
-            raise DhtError(f"no replica of {key!r} could be reached: {[str(r) for r in results]}")
+            raise
         self._observe(op, "ok", started)
         return accepted
 
     async def _get_records(self, key: str) -> dict[str, Record]:
-        return (await self._get_many_records([key]))[key]
-
-    async def _get_many_records(self, keys: Sequence[str]) -> dict[str, dict[str, Record]]:
-        groups = self._group_by_replica(keys)
-        members = [member for member, _keys in groups.values()]
-        answers = await asyncio.gather(
-            *(self._get_at(m, ks) for m, ks in groups.values()), return_exceptions=True
-        )
-        candidates: dict[str, dict[str, set[Record]]] = {key: {} for key in keys}
-        for answer in answers:
-            if not isinstance(answer, BaseException):
-                for key, records in answer.items():
-                    for subkey, record in records.items():
-                        candidates[key].setdefault(subkey, set()).add(record)
-        merged: dict[str, dict[str, Record]] = {key: {} for key in keys}
-        now = time.time()
-        for key, subkeys in candidates.items():
-            for subkey, records in subkeys.items():
-                # Newest first; a replica's copy counts only if it passes the rules a replica
-                # applies on store (an owned subkey's signature above all).
-                for record in sorted(records, key=lambda r: (r.expiration, r.value or b""), reverse=True):
-                    try:
-                        self.records.validate(key, subkey, record, now=now)
-                    except RecordRejected:
-                        continue
-                    merged[key][subkey] = record
-                    break
-        self._repair(merged, members, answers)
-        return merged
-
-    def _repair(self, merged, members: list[Member], answers: list) -> None:
-        """Read repair: push the winning records to replicas that answered without them."""
-        for member, answer in zip(members, answers, strict=True):
-            if isinstance(answer, BaseException):
-                continue
-            stale = [
-                (key, subkey, record)
-                for key, records in answer.items()
-                for subkey, record in merged[key].items()
-                if subkey not in records or newer(record, records[subkey])
-            ]
-            if stale and member.node_id != self.node_id:
-                self._spawn(self._quiet(self._store_at(member, stale)))
-            elif stale:
-                self._accept_items([[k, s, r.to_wire()] for k, s, r in stale], None)
-
-    @staticmethod
-    async def _quiet(coro) -> None:
-        with contextlib.suppress(RpcError, DhtError):
-            await coro
+        return (await self.replication.read([key]))[key]
 
     @staticmethod
     def _visible(records: dict[str, Record]) -> dict[str, DhtValue]:
@@ -426,7 +267,7 @@ class DhtNode:
     async def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, DhtValue]]:
         """``get`` for many keys at once: one request per replica, all in parallel."""
         started = time.perf_counter()
-        records = await self._get_many_records(list(dict.fromkeys(keys)))
+        records = await self.replication.read(list(dict.fromkeys(keys)))
         self._observe("get_many", "ok", started)
         return {key: self._visible(subkeys) for key, subkeys in records.items()}
 
@@ -460,11 +301,11 @@ class DhtNode:
             tick += 1
             try:
                 self.records.purge(time.time())
-                if changed:
-                    await self._handoff()
+                if changed and await self.replication.handoff():
+                    self._changed.set()  # some records were not delivered: hand them over again
                 if tick % self.config.sync_periods == 0:
                     await self.gossip.sync()
-                    await self._anti_entropy()
+                    await self.replication.anti_entropy()
                 self._update_gauges()
             except Exception:  # maintenance must outlive any one bad round
                 log.exception("dht_maintenance_failed", node=self.node_id[:12])
@@ -480,82 +321,3 @@ class DhtNode:
         self._m_suspicions.set(self.table.suspicions)
         self._m_refutations.set(self.table.refutations)
         self._m_deaths.set(self.table.deaths)
-
-    async def _handoff(self) -> None:
-        """Push each key's records to replicas that joined its replica set since we last did."""
-        now = time.time()
-        outgoing: dict[str, tuple[Member, list]] = {}
-        leaving: list[str] = []
-        for key in self.records.keys():
-            replicas = self.replicas(key)
-            ids = frozenset(m.node_id for m in replicas)
-            before = self._replica_memo.get(key, frozenset())
-            if ids == before:
-                continue
-            records = self.records.get(key, now=now)
-            for member in replicas:
-                if member.node_id != self.node_id and member.node_id not in before:
-                    batch = outgoing.setdefault(member.node_id, (member, []))[1]
-                    batch.extend((key, subkey, record) for subkey, record in records.items())
-            if self.node_id not in ids:
-                leaving.append(key)
-            self._replica_memo[key] = ids
-        failed = await self._push(outgoing)
-        unsent = {key for member_id in failed for key, _subkey, _record in outgoing[member_id][1]}
-        for key in unsent:
-            self._replica_memo.pop(key, None)  # hand it over again next period
-        if unsent:
-            self._changed.set()
-        for key in leaving:  # no longer ours: drop once every new replica has it
-            if key not in unsent:
-                self.records.drop(key)
-                self._replica_memo.pop(key, None)
-
-    async def _push(self, outgoing: dict[str, tuple[Member, list]]) -> set[str]:
-        """Send batches of records to members; returns the ids of members that failed."""
-        failed: set[str] = set()
-
-        async def push(member: Member, items: list) -> None:
-            for start in range(0, len(items), MAX_KEYS_PER_CALL):
-                try:
-                    await self._store_at(member, items[start : start + MAX_KEYS_PER_CALL])
-                except (RpcError, DhtError):
-                    failed.add(member.node_id)
-                    return
-
-        await asyncio.gather(*(push(member, items) for member, items in outgoing.values()))
-        return failed
-
-    async def _anti_entropy(self) -> None:
-        """Compare (subkey, expiration) digests with the other replicas; send what they lack."""
-        now = time.time()
-        digests: dict[str, tuple[Member, dict]] = {}
-        for key in self.records.keys():
-            records = self.records.get(key, now=now)
-            for member in self.replicas(key):
-                if member.node_id != self.node_id and records:
-                    digests.setdefault(member.node_id, (member, {}))[1][key] = {
-                        subkey: record.expiration for subkey, record in records.items()
-                    }
-        outgoing: dict[str, tuple[Member, list]] = {}
-
-        async def compare(member: Member, digest: dict) -> None:
-            keys = list(digest)
-            for start in range(0, len(keys), MAX_KEYS_PER_CALL):
-                part = {k: digest[k] for k in keys[start : start + MAX_KEYS_PER_CALL]}
-                try:
-                    reply = await self.client.call(
-                        member.address, "dht.digest", {"digest": part}, timeout_s=self.config.op_timeout_s
-                    )
-                except RpcError:
-                    return
-                wanted = reply.meta.get("wanted", []) if isinstance(reply.meta, dict) else []
-                for item in wanted:
-                    if isinstance(item, list) and len(item) == 2:
-                        record = self.records.get(str(item[0]), now=now).get(str(item[1]))
-                        if record is not None:
-                            batch = outgoing.setdefault(member.node_id, (member, []))[1]
-                            batch.append((item[0], item[1], record))
-
-        await asyncio.gather(*(compare(member, digest) for member, digest in digests.values()))
-        await self._push(outgoing)

@@ -9,7 +9,7 @@ import pytest
 
 from agora_core.config import NodeSettings, RunConfig, load_run_config, parse_run_config
 from agora_core.errors import ConfigError
-from agora_core.rpc import RpcConfig
+from agora_core.run_node import rpc_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -75,7 +75,7 @@ def test_node_settings_precedence_defaults_env_flags():
     assert settings.listen == "127.0.0.1:7001"  # flag beats env
     assert settings.metrics_port == 9100  # env beats default; a None flag is "not given"
     assert settings.log_format == "json"
-    assert settings.device == "auto"  # default
+    assert settings.log_level == "info"  # default
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_link_setting_parses_into_a_link_config():
 
 def test_transport_section_configures_the_rpc_layer():
     run = parse_run_config("[transport]\nchunk_bytes = 65536\ncompression = false\nstream_window = 3\n")
-    rpc = RpcConfig.from_transport(run.transport, max_inflight_requests=7)
+    rpc = rpc_config(run.transport, max_inflight_requests=7)
     assert rpc.wire.chunk_bytes == 65536 and not rpc.wire.compression.enabled
     assert rpc.stream_window == 3 and rpc.max_inflight_requests == 7
     assert rpc.wire.limits.max_message_bytes == run.transport.max_message_bytes

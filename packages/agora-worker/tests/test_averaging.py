@@ -48,9 +48,10 @@ cadence_steps = 100000
 matchmaking_window_s = {window}
 round_timeout_s = 20.0
 chunk_timeout_s = 4.0
-chunk_bytes = {chunk_bytes}
 reducers = "{reducers}"
 reducer_ids = {reducer_ids}
+[transport]
+chunk_bytes = {chunk_bytes}
 [dht]
 gossip_period_s = 0.5
 probe_timeout_s = 0.45

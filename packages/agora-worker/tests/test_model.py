@@ -9,6 +9,7 @@ import torch
 
 from agora_core.config import RunConfig, SurrogateConfig
 from agora_core.config.run import ModelConfig
+from agora_core.contract import StageRole
 from agora_worker.model import ComposedModel, SurrogateStage, TransformerStage, build_stage
 from agora_worker.model.subspace import subspace_basis
 
@@ -92,9 +93,9 @@ def test_every_stage_builds_the_same_fixed_parts_and_every_replica_the_same_weig
     assert not torch.equal(subspace_basis(1, 64, 8), subspace_basis(2, 64, 8))  # seeded per run
 
 
-def test_stage_kinds_follow_the_layer_split():
+def test_stage_roles_follow_the_layer_split():
     parts = stages()
-    assert [p.kind for p in parts] == ["head", "body", "body", "tail"]
+    assert [p.role for p in parts] == [StageRole.HEAD, StageRole.BODY, StageRole.BODY, StageRole.TAIL]
     assert [len(p.blocks) for p in parts] == list(MODEL.stage_layers)
     with pytest.raises(ValueError, match="does not exist"):
         build_stage(RUN, 4)

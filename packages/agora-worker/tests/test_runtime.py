@@ -10,21 +10,19 @@ import pytest
 import torch
 
 from agora_core.testing import wait_until_async
-from agora_worker.runtime import Runtime
+from agora_worker.runtime import Op, Runtime
 
 
 class GatedBackend:
     """Records the batches it runs; the first batch waits until the test opens the gate."""
-
-    kind = "body"
 
     def __init__(self):
         self.gate = threading.Event()
         self.started = threading.Event()
         self.batches: list[tuple[str, int]] = []
 
-    def _run(self, kind: str, tokens: torch.Tensor) -> None:
-        self.batches.append((kind, tokens.shape[0]))
+    def _run(self, op: str, tokens: torch.Tensor) -> None:
+        self.batches.append((op, tokens.shape[0]))
         self.started.set()
         if not self.gate.wait(timeout=30):
             raise TimeoutError("the test never opened the gate")
@@ -56,47 +54,47 @@ def runtime():
 
 async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime):
     rt, backend = runtime
-    first = asyncio.create_task(rt.submit("forward", sample(1)))
+    first = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
-    rest = [asyncio.create_task(rt.submit("forward", sample(v))) for v in range(2, 12)]
+    rest = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in range(2, 12)]
     await wait_until_async(lambda: rt.queued_samples == 10, what="ten queued samples")
     backend.gate.set()
     results = await asyncio.gather(first, *rest)
     assert [float(r["boundary"][0, 0, 0]) for r in results] == [2.0 * v for v in range(1, 12)]
-    assert [size for _kind, size in backend.batches] == [1, 8, 2]  # merged up to the maximum
+    assert [size for _op, size in backend.batches] == [1, 8, 2]  # merged up to the maximum
 
 
 async def test_the_queue_with_the_older_request_is_served_first(runtime):
     rt, backend = runtime
-    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
     older = asyncio.create_task(
-        rt.submit("backward", {**sample(2), "grad": np.ones((1, 4, 2), dtype=np.float32)})
+        rt.submit(Op.BACKWARD, {**sample(2), "grad": np.ones((1, 4, 2), dtype=np.float32)})
     )
     await wait_until_async(lambda: rt.queued_samples == 1, what="the backward to queue")
-    newer = [asyncio.create_task(rt.submit("forward", sample(3))) for _ in range(3)]
+    newer = [asyncio.create_task(rt.submit(Op.FORWARD, sample(3))) for _ in range(3)]
     await wait_until_async(lambda: rt.queued_samples == 4, what="the forwards to queue")
     backend.gate.set()
     await asyncio.gather(blocker, older, *newer)
-    assert [kind for kind, _size in backend.batches] == ["forward", "backward", "forward"]
+    assert [op for op, _size in backend.batches] == ["forward", "backward", "forward"]
 
 
-async def test_only_requests_of_one_kind_and_length_share_a_batch(runtime):
+async def test_only_requests_of_one_op_and_length_share_a_batch(runtime):
     rt, backend = runtime
-    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
-    tasks = [asyncio.create_task(rt.submit("forward", sample(2, t=4 if i % 2 else 6))) for i in range(6)]
+    tasks = [asyncio.create_task(rt.submit(Op.FORWARD, sample(2, t=4 if i % 2 else 6))) for i in range(6)]
     await wait_until_async(lambda: rt.queued_samples == 6, what="six queued")
     backend.gate.set()
     await asyncio.gather(blocker, *tasks)
-    assert sorted(size for _kind, size in backend.batches[1:]) == [3, 3]
+    assert sorted(size for _op, size in backend.batches[1:]) == [3, 3]
 
 
 async def test_a_poisoned_request_fails_alone(runtime):
     rt, backend = runtime
-    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
-    tasks = [asyncio.create_task(rt.submit("forward", sample(v))) for v in (10, 13, 11)]
+    tasks = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in (10, 13, 11)]
     await wait_until_async(lambda: rt.queued_samples == 3, what="three queued")
     backend.gate.set()
     results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
@@ -106,16 +104,16 @@ async def test_a_poisoned_request_fails_alone(runtime):
 
 async def test_abandoned_requests_are_not_computed(runtime):
     rt, backend = runtime
-    blocker = asyncio.create_task(rt.submit("forward", sample(1)))
+    blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
-    doomed = asyncio.create_task(rt.submit("forward", sample(5)))
-    kept = asyncio.create_task(rt.submit("forward", sample(6)))
+    doomed = asyncio.create_task(rt.submit(Op.FORWARD, sample(5)))
+    kept = asyncio.create_task(rt.submit(Op.FORWARD, sample(6)))
     await wait_until_async(lambda: rt.queued_samples == 2, what="two queued")
     doomed.cancel()  # the caller's deadline passed
     await asyncio.gather(doomed, return_exceptions=True)
     backend.gate.set()
     await asyncio.gather(blocker, kept)
-    assert [size for _kind, size in backend.batches] == [1, 1]
+    assert [size for _op, size in backend.batches] == [1, 1]
 
 
 async def test_control_work_runs_between_batches_on_the_compute_thread(runtime):

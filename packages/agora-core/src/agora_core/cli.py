@@ -14,6 +14,7 @@ import numpy as np
 
 from agora_core import __version__
 from agora_core.config import NodeSettings
+from agora_core.contract import Method
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.identity import NodeKey
@@ -27,7 +28,8 @@ from agora_core.node_cli import (
     resolve_node,
     status_interval_option,
 )
-from agora_core.rpc import Payload, Request, RpcClient, RpcConfig, RpcServer
+from agora_core.rpc import Payload, Request, RpcClient, RpcServer
+from agora_core.run_node import rpc_config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -101,16 +103,16 @@ async def _echo(request: Request) -> Payload:
 async def _self_check(address: str, link: LinkEmulator | None) -> None:
     """Call the node like a peer would, and print what it measured."""
     async with RpcClient(link=link) as client:
-        await client.call(address, "ping")
+        await client.call(address, Method.PING)
         rtts = []
         for _ in range(200):
             t0 = time.perf_counter()
-            await client.call(address, "ping")
+            await client.call(address, Method.PING)
             rtts.append(time.perf_counter() - t0)
         click.echo(f"self-check: ping round trip p50 {np.median(rtts) * 1e6:.0f} us over {len(rtts)} calls")
         tensor = np.random.default_rng(0).standard_normal(8 << 20, dtype=np.float32)  # 32 MiB
         t0 = time.perf_counter()
-        reply = await client.call(address, "echo", {"what": "32 MiB float32"}, {"x": tensor})
+        reply = await client.call(address, Method.ECHO, {"what": "32 MiB float32"}, {"x": tensor})
         elapsed = time.perf_counter() - t0
         ok = np.array_equal(reply.tensors["x"], tensor)
         click.echo(
@@ -125,8 +127,8 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
     metrics = NodeMetrics(role="node", instance=key.node_id[:12])
     link = LinkEmulator(settings.link_config) if settings.link_config else None
     server = RpcServer(listen=settings.listen, link=link, metrics=metrics, node_id=key.node_id)
-    server.register("ping", _ping)
-    server.register("echo", _echo)
+    server.register(Method.PING, _ping)
+    server.register(Method.ECHO, _echo)
     address = await server.start()
     endpoint = metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
     click.echo(f"agora node {key.node_id}")
@@ -203,7 +205,7 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
         listen=settings.listen,
         advertise=settings.advertise,
         bootstrap=bootstrap,
-        rpc_config=RpcConfig.from_transport(run.transport),
+        rpc_config=rpc_config(run.transport),
         link=link,
         metrics=metrics,
     )

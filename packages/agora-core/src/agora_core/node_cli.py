@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from agora_core.allocator import tune_for_large_messages
-from agora_core.config import NodeSettings, RunConfig, load_run_config
+from agora_core.config import NodeSettings, RunConfig, load_run_config, resolve_settings
 from agora_core.errors import ConfigError
 from agora_core.logs import configure_logging
 
@@ -53,17 +53,15 @@ def load_config(path: str | None) -> RunConfig:
     except ConfigError as exc:
         message = str(exc)
         fail(message if path in message else f"{path}: {message}")
-        raise  # unreachable: fail() exits
 
 
 def settings_from_flags(cls: type, **flags: Any) -> Any:
-    """A settings dataclass from a command's flags: flags not given (None) keep the class
-    defaults; a value the class rejects exits with its error."""
+    """A role's settings dataclass from a command's flags, over ``AGORA_<FIELD>`` variables,
+    over the class defaults (flags not given are None); a rejected value exits with its error."""
     try:
-        return cls(**{name: value for name, value in flags.items() if value is not None})
+        return resolve_settings(cls, flags)
     except ConfigError as exc:
         fail(str(exc))
-        raise  # unreachable: fail() exits
 
 
 def node_options(command: Callable) -> Callable:
@@ -72,7 +70,7 @@ def node_options(command: Callable) -> Callable:
     return command
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -91,4 +89,3 @@ def resolve_node(options: dict[str, Any], **extra: Any) -> NodeSettings:
         return NodeSettings.resolve({**{name: options.get(name) for name in NODE_OPTIONS}, **extra})
     except ConfigError as exc:
         fail(str(exc))
-        raise  # unreachable: fail() exits

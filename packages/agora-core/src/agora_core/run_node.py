@@ -8,14 +8,34 @@ value schemas (``agora_core.schema``) on everything it stores.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from agora_core.codec import CompressionPolicy
 from agora_core.config import RunConfig
+from agora_core.config.run import TransportConfig
 from agora_core.dht import DhtNode, Validators
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcConfig, RpcServer
 from agora_core.schema import register_validators
+from agora_core.wire import WireConfig, WireLimits
+
+
+def rpc_config(transport: TransportConfig, **overrides: Any) -> RpcConfig:
+    """The RPC settings a run config's ``[transport]`` section asks for (``overrides`` win)."""
+    wire = WireConfig(
+        chunk_bytes=transport.chunk_bytes,
+        compression=CompressionPolicy(enabled=transport.compression),
+        limits=WireLimits(max_message_bytes=transport.max_message_bytes),
+    )
+    settings = {
+        "wire": wire,
+        "default_timeout_s": transport.request_timeout_s,
+        "connect_timeout_s": transport.connect_timeout_s,
+        "stream_window": transport.stream_window,
+    }
+    return RpcConfig(**{**settings, **overrides})
 
 
 class RunNode:
@@ -30,7 +50,7 @@ class RunNode:
         advertise: str | None = None,
         link: LinkEmulator | None = None,
     ):
-        rpc = RpcConfig.from_transport(run.transport)
+        rpc = rpc_config(run.transport)
         self.server = RpcServer(listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         validators = Validators()

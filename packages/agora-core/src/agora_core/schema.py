@@ -87,6 +87,9 @@ class WorkerAnnouncement:
     max_batch: int  # samples it merges into one microbatch at most
     version: str  # agora-worker version
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))  # a phase given by name
+
     def to_value(self) -> dict:
         return asdict(self)
 

@@ -16,6 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from agora_core.contract import Phase
 from agora_core.schema import WorkerAnnouncement
 
 THROUGHPUT_EMA = 0.2  # weight of the newest measurement
@@ -44,7 +45,7 @@ class _Entry:
     ref: WorkerRef
     vruntime: float
     throughput: float  # samples per second, measured end to end
-    phase: str = "serving"
+    phase: Phase = Phase.SERVING
     banned_until: float = 0.0
     seq: int = 0  # which heap entry is current (older ones are stale)
     dispatched: int = 0
@@ -97,7 +98,7 @@ class StageBalancer:
     def usable(self, node_id: str, now: float | None = None) -> bool:
         entry = self._entries.get(node_id)
         now = time.monotonic() if now is None else now
-        return entry is not None and entry.phase != "weight_sync" and entry.banned_until <= now
+        return entry is not None and entry.phase.visible_to_trainers and entry.banned_until <= now
 
     def banned(self, node_id: str) -> bool:
         entry = self._entries.get(node_id)

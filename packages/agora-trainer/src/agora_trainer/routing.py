@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError, StageMismatch
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
@@ -52,7 +53,7 @@ class LaneState:
 class RoutingConfig:
     request_timeout_s: float = 30.0
     max_attempts: int = 5  # per hop, across workers
-    wait_for_worker_s: float = 30.0  # how long a hop waits for its stage to have a worker
+    wait_for_worker_s: float = 30.0  # how long a hop waits for its stage to have a usable worker
     # Send each backward to the worker that ran the sample's forward (the paper's finding: a
     # backward through another replica's weights hurts). False: any worker, by the balancer --
     # for the ablation benchmark only.
@@ -151,12 +152,12 @@ class PipelineRouter:
         boundary = None
         for stage in range(self.stages - 1):
             tensors = {"tokens": inputs} if boundary is None else {"tokens": inputs, "boundary": boundary}
-            worker, reply = await self._call(lane, stage, "forward", tensors)
+            worker, reply = await self._call(lane, stage, Method.FORWARD, tensors)
             hops.append((worker, boundary))
             boundary = reply.tensors["boundary"]
         tail = self.stages - 1
         _worker, reply = await self._call(
-            lane, tail, "forward_backward", {"tokens": inputs, "boundary": boundary, "labels": labels}
+            lane, tail, Method.FORWARD_BACKWARD, {"tokens": inputs, "boundary": boundary, "labels": labels}
         )
         loss = float(reply.tensors["loss"][0])
         grad = reply.tensors["grad"]
@@ -166,7 +167,7 @@ class PipelineRouter:
             if sent is not None:
                 tensors["boundary"] = sent
             pinned = forward_worker if self._config.pin_backward else None
-            worker, reply = await self._call(lane, stage, "backward", tensors, pinned=pinned)
+            worker, reply = await self._call(lane, stage, Method.BACKWARD, tensors, pinned=pinned)
             if worker.node_id != forward_worker.node_id:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")

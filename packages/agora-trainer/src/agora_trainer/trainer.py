@@ -28,6 +28,7 @@ from agora_core.run_node import RunNode
 from agora_core.schema import (
     TrainerProgress,
     WorkerAnnouncement,
+    parse_entries,
     stage_workers_key,
     trainer_progress_key,
 )
@@ -50,7 +51,7 @@ class TrainerSettings:
     ban_s: float = 10.0  # a worker whose call failed is skipped this long
     progress_interval_s: float = 5.0  # how often progress is published to the DHT
     max_attempts: int = 5  # per stage call, across the stage's workers
-    wait_for_workers_s: float = 120.0  # at start, and per call, for a stage to have a worker
+    wait_for_worker_s: float = 120.0  # how long a stage may have no usable worker, at start and per call
     max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
     state_file: str | None = None  # where the shard position is kept (default: in --shards)
     loss_log: str | None = None  # JSON lines file: one {"id", "loss", "t"} per completed sample
@@ -59,7 +60,7 @@ class TrainerSettings:
     def __post_init__(self) -> None:
         require(self.lanes >= 1, "lanes", "must be >= 1")
         require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
-        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_workers_s"):
+        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s"):
             require(getattr(self, name) > 0, name, "must be positive")
         require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
         require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
@@ -115,7 +116,7 @@ class Trainer:
         routing = RoutingConfig(
             request_timeout_s=run.transport.request_timeout_s,
             max_attempts=self.settings.max_attempts,
-            wait_for_worker_s=self.settings.wait_for_workers_s,
+            wait_for_worker_s=self.settings.wait_for_worker_s,
             pin_backward=self.settings.backward_routing == "pinned",
         )
         self.router = PipelineRouter(self.client, self.balancers, routing, self.counters, self.metrics)
@@ -151,13 +152,11 @@ class Trainer:
             loop.create_task(self._refresh_loop(), name="trainer-refresh"),
             loop.create_task(self._progress_loop(), name="trainer-progress"),
         ]
-        deadline = time.monotonic() + self.settings.wait_for_workers_s
+        deadline = time.monotonic() + self.settings.wait_for_worker_s
         while not all(b.workers for b in self.balancers):
             missing = [b.stage for b in self.balancers if not b.workers]
             if time.monotonic() > deadline:
-                raise DhtError(
-                    f"stages {missing} have no worker after {self.settings.wait_for_workers_s:g} s"
-                )
+                raise DhtError(f"stages {missing} have no worker after {self.settings.wait_for_worker_s:g} s")
             log.info("waiting_for_workers", stages=missing)
             await asyncio.sleep(min(1.0, self.settings.refresh_interval_s))
             await self.refresh()
@@ -184,13 +183,7 @@ class Trainer:
         keys = [stage_workers_key(self.run.name, s) for s in range(len(self.balancers))]
         found = await self.dht.get_many(keys)
         for balancer, key in zip(self.balancers, keys, strict=True):
-            announcements = []
-            for value in found[key].values():
-                try:
-                    announcements.append(WorkerAnnouncement.from_value(value.value))
-                except Exception:
-                    continue
-            balancer.update(announcements)
+            balancer.update(parse_entries(found[key], WorkerAnnouncement.from_value))
 
     async def _refresh_loop(self) -> None:
         while True:

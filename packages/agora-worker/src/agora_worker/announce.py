@@ -25,12 +25,12 @@ class Announcer:
         *,
         dht: DhtNode,
         key: NodeKey,
-        run: str,
+        run_name: str,
         stage: int,
         interval_s: float,
         describe: Callable[[], WorkerAnnouncement],
     ):
-        self._entry = OwnedEntry(dht, key, stage_workers_key(run, stage))
+        self._entry = OwnedEntry(dht, key, stage_workers_key(run_name, stage))
         self._interval_s = interval_s
         self._describe = describe
         self.ttl_s = 3 * interval_s  # gone within three missed refreshes

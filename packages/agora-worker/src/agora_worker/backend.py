@@ -30,7 +30,6 @@ class StageBackend:
         self.module = module
         self.optimizer = optimizer
         self.device = device
-        self.kind = module.kind
 
     def _autocast(self):
         if self.device.type == "cuda":  # bf16 compute on accelerators, fp32 master weights on the host

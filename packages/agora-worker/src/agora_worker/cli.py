@@ -9,6 +9,7 @@ import sys
 import click
 
 from agora_core.config import NodeSettings
+from agora_core.contract import Phase
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
@@ -41,7 +42,7 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     address = await worker.start()
-    click.echo(f"agora-worker {__version__}: stage {worker.stage} ({worker.kind}) of run {worker.run.name!r}")
+    click.echo(f"agora-worker {__version__}: stage {worker.stage} ({worker.role}) of run {worker.run.name!r}")
     click.echo(f"  node id    {worker.key.node_id}")
     click.echo(f"  serving    {address}")
     click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
@@ -75,7 +76,7 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
 @click.option(
     "--phase",
-    type=click.Choice(["serving", "weight_sync", "optimizer_sync"]),
+    type=click.Choice([phase.value for phase in Phase]),
     help="Participation phase (default serving; weight_sync: averages at weight 0, gets no samples).",
 )
 @click.option(
@@ -98,11 +99,11 @@ def run(
     **options,
 ) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
-    node = resolve_node(options, device=device)
+    node = resolve_node(options)
     run_config = load_config(config_file)
     settings = settings_from_flags(
         WorkerSettings,
-        device=node.device,
+        device=device,
         max_batch_samples=max_batch,
         max_batch_tokens=max_batch_tokens,
         progress_interval_s=progress_interval_s,

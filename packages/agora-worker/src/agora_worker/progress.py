@@ -18,7 +18,7 @@ from agora_core.dht.owned import OwnedEntry
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
-from agora_core.schema import StageProgress, stage_progress_key
+from agora_core.schema import StageProgress, parse_entries, stage_progress_key
 
 log = get_logger("worker.progress")
 
@@ -29,7 +29,7 @@ class StageProgressTracker:
         *,
         dht: DhtNode,
         key: NodeKey,
-        run: str,
+        run_name: str,
         stage: int,
         target_batch_size: int,
         interval_s: float,
@@ -42,7 +42,7 @@ class StageProgressTracker:
         With ``poke(address)``, a worker that steps pokes its peers at their ``address()``, so
         they check at once instead of at their next tick."""
         self._key = key
-        self._entry = OwnedEntry(dht, key, stage_progress_key(run, stage))
+        self._entry = OwnedEntry(dht, key, stage_progress_key(run_name, stage))
         self._target = target_batch_size
         self._interval_s = interval_s
         self._local = local
@@ -91,13 +91,7 @@ class StageProgressTracker:
         await self._entry.publish(report.to_value(), max(10 * self._interval_s, 5.0))
 
     async def read(self) -> list[StageProgress]:
-        reports = []
-        for value in (await self._entry.read_all()).values():
-            try:
-                reports.append(StageProgress.from_value(value.value))
-            except Exception:
-                continue  # a malformed report: ignore it, the writer's own validators should have
-        return reports
+        return parse_entries(await self._entry.read_all(), StageProgress.from_value)
 
     async def run(self) -> None:
         """Publish, read, decide, every ``interval_s``, until cancelled."""

@@ -2,7 +2,7 @@
 
 Connection handlers put each request on the forward or the backward queue. The compute thread
 always serves the queue whose oldest request is older, merges the requests waiting in that
-queue (same kind, same sequence length) into one microbatch up to the configured maximum
+queue (same op, same sequence length) into one microbatch up to the configured maximum
 samples and tokens, runs it, and hands each caller its own slice of the result. If a merged
 batch fails, its requests are retried one by one, so a poisoned request fails alone.
 Control work (an optimizer step) runs on the same thread between batches, so weights never
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -29,15 +30,27 @@ from agora_worker.backend import StageBackend
 
 log = get_logger("worker.runtime")
 
-FORWARD_KINDS = ("forward", "evaluate")
-BACKWARD_KINDS = ("backward", "forward_backward")
 IDLE_WAIT_S = 0.5  # the compute thread re-checks for shutdown at least this often
+
+
+class Op(enum.StrEnum):
+    """What a queued request asks the stage to compute."""
+
+    FORWARD = "forward"  # head/body: the output boundary
+    EVALUATE = "evaluate"  # tail: per-sample losses, no training
+    BACKWARD = "backward"  # head/body: recompute, backpropagate, accumulate
+    FORWARD_BACKWARD = "forward_backward"  # tail: loss and input gradient in one pass
+
+    @property
+    def queue(self) -> str:
+        """The queue it waits in: forward work or backward (training) work."""
+        return "forward" if self in (Op.FORWARD, Op.EVALUATE) else "backward"
 
 
 @dataclass(eq=False)
 class Task:
-    kind: str  # forward | evaluate | backward | forward_backward
-    inputs: dict[str, np.ndarray]  # tokens (B, T) and, by kind, boundary, grad, labels
+    op: Op
+    inputs: dict[str, np.ndarray]  # tokens (B, T) and, by op, boundary, grad, labels
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.monotonic)
@@ -84,7 +97,7 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.samples_processed = 0
-        self.samples_by_kind: collections.Counter[str] = collections.Counter()
+        self.samples_by_op: collections.Counter[Op] = collections.Counter()
         self.compute_seconds = 0.0
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # recent, for tests/tools
         metrics = metrics or NodeMetrics(role="worker")
@@ -92,16 +105,14 @@ class Runtime:
             "agora_worker_queue_wait_seconds", "Time requests wait in a queue.", ["queue"]
         )
         self._m_compute = metrics.histogram(
-            "agora_worker_compute_seconds", "Compute time per microbatch.", ["kind"]
+            "agora_worker_compute_seconds", "Compute time per microbatch, by op.", ["op"]
         )
         self._m_batch = metrics.histogram(
             "agora_worker_batch_samples",
             "Samples per coalesced microbatch.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
-        self._m_samples = metrics.counter(
-            "agora_worker_samples_total", "Samples computed, by kind.", ["kind"]
-        )
+        self._m_samples = metrics.counter("agora_worker_samples_total", "Samples computed, by op.", ["op"])
 
     # --- the event loop's side -------------------------------------------------------------------
 
@@ -121,14 +132,14 @@ class Runtime:
         with self._cond:
             return sum(t.samples for t in self._forward) + sum(t.samples for t in self._backward)
 
-    async def submit(self, kind: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def submit(self, op: Op, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Queue a request (checked numpy inputs) and wait for its share of the result, as
         numpy arrays. Cancelling the wait (the caller's deadline) drops the request if it has
         not started."""
         loop = asyncio.get_running_loop()
-        task = Task(kind, inputs, loop.create_future(), loop)
+        task = Task(op, inputs, loop.create_future(), loop)
         with self._cond:
-            (self._forward if kind in FORWARD_KINDS else self._backward).append(task)
+            (self._forward if op.queue == "forward" else self._backward).append(task)
             self._cond.notify()
         try:
             return await task.future
@@ -162,7 +173,7 @@ class Runtime:
         while queue:
             task = queue.popleft()
             fits = (
-                task.kind == first.kind
+                task.op == first.op
                 and task.length == first.length
                 and samples + task.samples <= self.max_batch_samples
                 and tokens + task.samples * task.length <= self.max_batch_tokens
@@ -200,14 +211,12 @@ class Runtime:
     def _run_batch(self, batch: list[Task]) -> None:
         started = time.monotonic()
         for task in batch:
-            self._m_wait.labels(queue="forward" if task.kind in FORWARD_KINDS else "backward").observe(
-                started - task.enqueued
-            )
+            self._m_wait.labels(queue=task.op.queue).observe(started - task.enqueued)
         try:
             results = self._compute(batch)
         except Exception as exc:
             if len(batch) == 1:
-                log.warning("request_failed", kind=batch[0].kind, error=f"{type(exc).__name__}: {exc}")
+                log.warning("request_failed", op=batch[0].op, error=f"{type(exc).__name__}: {exc}")
                 self._deliver(batch[0], None, exc)
                 return
             for task in batch:  # find the poisoned request: the others still get answers
@@ -216,12 +225,12 @@ class Runtime:
         elapsed = time.monotonic() - started
         samples = sum(task.samples for task in batch)
         self.samples_processed += samples
-        self.samples_by_kind[batch[0].kind] += samples
+        self.samples_by_op[batch[0].op] += samples
         self.compute_seconds += elapsed
         self.batch_sizes.append(samples)
-        self._m_compute.labels(kind=batch[0].kind).observe(elapsed)
+        self._m_compute.labels(op=batch[0].op).observe(elapsed)
         self._m_batch.observe(samples)
-        self._m_samples.labels(kind=batch[0].kind).inc(samples)
+        self._m_samples.labels(op=batch[0].op).inc(samples)
         for task, result in zip(batch, results, strict=True):
             self._deliver(task, result, None)
 
@@ -230,12 +239,12 @@ class Runtime:
         merged = {
             name: torch.from_numpy(np.concatenate([task.inputs[name] for task in batch])) for name in names
         }
-        backend, kind = self.backend, batch[0].kind
-        if kind == "forward":
+        backend, op = self.backend, batch[0].op
+        if op == Op.FORWARD:
             outputs = {"boundary": backend.forward(merged["tokens"], merged.get("boundary"))}
-        elif kind == "evaluate":
+        elif op == Op.EVALUATE:
             outputs = {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
-        elif kind == "backward":
+        elif op == Op.BACKWARD:
             grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
             outputs = {} if grad is None else {"grad": grad}
         else:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from agora_core.config import RunConfig
+from agora_core.contract import Method, StageRole
 from agora_core.errors import BadRequest, StageMismatch
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
@@ -28,7 +29,7 @@ from agora_worker.backend import StageBackend, pick_device
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
 from agora_worker.progress import StageProgressTracker
-from agora_worker.runtime import Runtime
+from agora_worker.runtime import Op, Runtime
 from agora_worker.settings import WorkerSettings, batch_limits
 from agora_worker.tensors import activations, token_ids
 
@@ -58,7 +59,7 @@ class Worker:
         self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
         self.device = pick_device(self.settings.device)
         self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
-        self.kind = self.module.kind
+        self.role: StageRole = self.module.role
         self.optimizer = HostOptimizer(
             self.module, run.optimizer, clip_threshold=run.clipping.threshold(stage, run.model.n_stages)
         )
@@ -82,19 +83,20 @@ class Worker:
         )
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         for method, handler in (
-            ("forward", self._on_forward),
-            ("backward", self._on_backward),
-            ("forward_backward", self._on_forward_backward),
-            ("worker.info", self._on_info),
-            ("worker.parameters", self._on_parameters),
-            ("averaging.start", self._on_start_round),
-            ("progress.poke", self._on_poke),
+            (Method.FORWARD, self._on_forward),
+            (Method.BACKWARD, self._on_backward),
+            (Method.FORWARD_BACKWARD, self._on_forward_backward),
+            (Method.WORKER_INFO, self._on_info),
+            (Method.WORKER_PARAMETERS, self._on_parameters),
+            (Method.AVERAGING_START, self._on_start_round),
+            (Method.PROGRESS_POKE, self._on_poke),
         ):
             self.server.register(method, handler)
         untrained = [p for p in self.module.parameters() if not p.requires_grad]
         self.averager = Averager(
             config=run.averaging,
-            run=run.name,
+            transport=run.transport,
+            run_name=run.name,
             seed=run.seed,
             stage=stage,
             key=key,
@@ -111,23 +113,25 @@ class Worker:
         self.progress = StageProgressTracker(
             dht=self.dht,
             key=key,
-            run=run.name,
+            run_name=run.name,
             stage=stage,
             target_batch_size=run.optimizer.target_batch_size,
             interval_s=self.settings.progress_interval_s,
             # A worker in optimizer sync trains, but its samples do not count toward the batch.
             local=lambda: (
                 self.optimizer.step,
-                0 if self.settings.phase == "optimizer_sync" else self.optimizer.samples,
+                self.optimizer.samples if self.settings.phase.counts_samples else 0,
             ),
             take_step=self.take_step,
             address=lambda: self.address or "",
-            poke=lambda address: self.client.call(address, "progress.poke", {"stage": stage}, timeout_s=2.0),
+            poke=lambda address: self.client.call(
+                address, Method.PROGRESS_POKE, {"stage": stage}, timeout_s=2.0
+            ),
         )
         self.announcer = Announcer(
             dht=self.dht,
             key=key,
-            run=run.name,
+            run_name=run.name,
             stage=stage,
             interval_s=self.settings.announce_interval_s,
             describe=self.describe,
@@ -155,7 +159,7 @@ class Worker:
         log.info(
             "worker_started",
             stage=self.stage,
-            kind=self.kind,
+            role=self.role,
             address=self.address,
             device=str(self.device),
             max_batch=self.max_batch,
@@ -248,29 +252,29 @@ class Worker:
 
     async def _on_forward(self, request: Request) -> Payload:
         tensors = self._check_stage(request)
-        if self.kind == "tail":
+        if self.role == StageRole.TAIL:
             inputs = self._inputs(tensors, boundary=True, labels=True)
-            result = await self.runtime.submit("evaluate", inputs)
+            result = await self.runtime.submit(Op.EVALUATE, inputs)
             return Payload(tensors={"loss": result["loss"]})
-        inputs = self._inputs(tensors, boundary=self.kind != "head")
-        result = await self.runtime.submit("forward", inputs)
+        inputs = self._inputs(tensors, boundary=self.role != StageRole.HEAD)
+        result = await self.runtime.submit(Op.FORWARD, inputs)
         return Payload(tensors={"boundary": result["boundary"]})
 
     async def _on_backward(self, request: Request) -> Payload:
         tensors = self._check_stage(request)
-        if self.kind == "tail":
+        if self.role == StageRole.TAIL:
             raise BadRequest("the tail trains with forward_backward, not backward")
-        inputs = self._inputs(tensors, boundary=self.kind != "head", grad=True)
-        result = await self.runtime.submit("backward", inputs)
+        inputs = self._inputs(tensors, boundary=self.role != StageRole.HEAD, grad=True)
+        result = await self.runtime.submit(Op.BACKWARD, inputs)
         self.progress.accumulated()
         return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
 
     async def _on_forward_backward(self, request: Request) -> Payload:
         tensors = self._check_stage(request)
-        if self.kind != "tail":
-            raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self.kind}")
+        if self.role != StageRole.TAIL:
+            raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self.role}")
         inputs = self._inputs(tensors, boundary=True, labels=True)
-        result = await self.runtime.submit("forward_backward", inputs)
+        result = await self.runtime.submit(Op.FORWARD_BACKWARD, inputs)
         self.progress.accumulated()
         return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})
 
@@ -280,14 +284,14 @@ class Worker:
             {
                 "node_id": self.key.node_id,
                 "stage": self.stage,
-                "kind": self.kind,
+                "role": self.role,
                 "step": self.optimizer.step,
                 "samples": self.optimizer.samples,
                 "stage_samples": self.progress.stage_samples,
                 "queued": runtime.queued_samples,
                 "processed": runtime.samples_processed,
                 "compute_seconds": runtime.compute_seconds,
-                "processed_by_kind": dict(runtime.samples_by_kind),
+                "processed_by_op": dict(runtime.samples_by_op),
                 "recent_batch_sizes": list(runtime.batch_sizes),
                 "max_batch": self.max_batch,
                 "phase": self.settings.phase,

@@ -1,7 +1,7 @@
 """Run configuration (one TOML per run) and node-local settings (flags and AGORA_* env)."""
 
 from agora_core.config.loader import build, require
-from agora_core.config.node import NodeSettings
+from agora_core.config.node import NodeSettings, resolve_settings
 from agora_core.config.run import (
     AdmissionConfig,
     AveragingConfig,
@@ -35,4 +35,5 @@ __all__ = [
     "load_run_config",
     "parse_run_config",
     "require",
+    "resolve_settings",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import types
 import typing
@@ -112,6 +113,11 @@ def coerce(tp: Any, value: Any, path: str, *, from_string: bool = False) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
         return float(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        names = [member.value for member in tp]
+        if value not in names:
+            raise ConfigError(path, f"must be one of {', '.join(map(repr, names))}, got {value!r}")
+        return tp(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")

@@ -1,6 +1,7 @@
 """Node-local settings: what differs per machine, never per run.
 
-Precedence, lowest first: defaults, ``AGORA_<NAME>`` environment variables, CLI flags.
+Precedence, lowest first: defaults, ``AGORA_<NAME>`` environment variables, CLI flags. The
+same rule builds a role's own settings dataclass (``resolve_settings``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,28 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agora_core.config.loader import build, coerce, field_types, require
 from agora_core.linkemu import LinkConfig
 
 ENV_PREFIX = "AGORA_"
+S = TypeVar("S")
+
+
+def resolve_settings(
+    cls: type[S], flags: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+) -> S:
+    """Settings dataclass ``cls``: defaults, overridden by ``AGORA_<FIELD>`` variables,
+    overridden by non-None ``flags``. A bad value raises ConfigError naming the field."""
+    environ = os.environ if environ is None else environ
+    from_env: dict[str, Any] = {}
+    for name, tp in field_types(cls).items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            from_env[name] = coerce(tp, raw, ENV_PREFIX + name.upper(), from_string=True)
+    chosen = {**from_env, **{k: v for k, v in (flags or {}).items() if v is not None}}
+    return build(cls, chosen)
 
 
 def default_key_file() -> str:
@@ -27,8 +44,6 @@ class NodeSettings:
     listen: str = "127.0.0.1:0"  # host:port to serve RPC on; port 0 picks a free port
     advertise: str | None = None  # address others should dial, when it differs from listen
     key_file: str = dataclasses.field(default_factory=default_key_file)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (workers only)
-    host_memory_limit_bytes: int | None = None  # self-terminate above this RSS (workers)
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free)
     metrics_push_gateway: str | None = None  # or push to this gateway (host:port)
     log_format: Literal["auto", "console", "json"] = "auto"
@@ -42,11 +57,6 @@ class NodeSettings:
             self.metrics_port is None or 0 <= self.metrics_port < 65536,
             "metrics_port",
             "must lie in [0, 65535]",
-        )
-        require(
-            self.host_memory_limit_bytes is None or self.host_memory_limit_bytes > 0,
-            "host_memory_limit_bytes",
-            "must be positive",
         )
         if self.link is not None:
             try:
@@ -66,11 +76,4 @@ class NodeSettings:
         environ: Mapping[str, str] | None = None,
     ) -> NodeSettings:
         """Defaults, overridden by ``AGORA_*`` variables, overridden by non-None ``flags``."""
-        environ = os.environ if environ is None else environ
-        from_env: dict[str, Any] = {}
-        for name, tp in field_types(cls).items():
-            raw = environ.get(ENV_PREFIX + name.upper())
-            if raw is not None:
-                from_env[name] = coerce(tp, raw, ENV_PREFIX + name.upper(), from_string=True)
-        chosen = {**from_env, **{k: v for k, v in (flags or {}).items() if v is not None}}
-        return build(cls, chosen)
+        return resolve_settings(cls, flags, environ=environ)

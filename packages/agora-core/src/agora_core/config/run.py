@@ -131,11 +131,7 @@ class AveragingConfig:
     matchmaking_window_s: float = 40.0  # report
     round_timeout_s: float = 150.0
     chunk_timeout_s: float = 30.0  # a sender missing this per-chunk deadline is banned
-    chunk_bytes: int = 2 * MiB  # report: 16 Mbit chunks
-    # Chunks in flight per stream, each way: a link's round trip's worth, few enough that a
-    # peer's returned differences and credits do not queue behind a backlog of its own sends.
-    window_chunks: int = 4
-    compression: Literal["auto", "none"] = "auto"  # auto: LZ4 per chunk when it pays
+    # Chunk size, stream window and compression of the averaging streams: [transport]'s.
     # Who may reduce: "all" peers, or only the node ids listed in ``reducer_ids``.
     reducers: Literal["all", "listed"] = "all"
     reducer_ids: tuple[str, ...] = ()
@@ -150,8 +146,6 @@ class AveragingConfig:
             "round_timeout_s",
             f"must exceed matchmaking_window_s ({self.matchmaking_window_s})",
         )
-        require(self.chunk_bytes >= 4096, "chunk_bytes", "must be at least 4096")
-        require(self.window_chunks >= 1, "window_chunks", "must be >= 1")
         require(
             self.reducers != "listed" or bool(self.reducer_ids),
             "reducer_ids",
@@ -220,12 +214,17 @@ class DhtConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TransportConfig:
-    chunk_bytes: int = 2 * MiB  # tensors are cut into chunks of this size on the wire
+    # Tensors are cut into chunks of this size on the wire; averaging streams one chunk per
+    # item. report: 16 Mbit chunks.
+    chunk_bytes: int = 2 * MiB
     compression: bool = True  # LZ4 per chunk, only where it pays
     max_message_bytes: int = 512 * MiB
     request_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    stream_window: int = 8
+    # Stream items in flight per stream, each way: a link's round trip's worth of averaging
+    # chunks, few enough that a peer's returned differences and credits do not queue behind a
+    # backlog of its own sends.
+    stream_window: int = 4
 
     def __post_init__(self) -> None:
         require(4096 <= self.chunk_bytes <= 64 * MiB, "chunk_bytes", "must lie in [4 KiB, 64 MiB]")

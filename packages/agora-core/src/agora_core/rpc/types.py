@@ -6,10 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agora_core.codec import CompressionPolicy
-from agora_core.config.run import TransportConfig
 from agora_core.dtypes import Tensor
-from agora_core.wire import WireConfig, WireLimits
+from agora_core.wire import WireConfig
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,22 +28,6 @@ class RpcConfig:
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
             raise ValueError(f"a stream window is a positive item count, got {requested!r}")
         return requested
-
-    @classmethod
-    def from_transport(cls, transport: TransportConfig, **overrides: Any) -> RpcConfig:
-        """The RPC settings a run config's ``[transport]`` section asks for."""
-        wire = WireConfig(
-            chunk_bytes=transport.chunk_bytes,
-            compression=CompressionPolicy(enabled=transport.compression),
-            limits=WireLimits(max_message_bytes=transport.max_message_bytes),
-        )
-        settings = {
-            "wire": wire,
-            "default_timeout_s": transport.request_timeout_s,
-            "connect_timeout_s": transport.connect_timeout_s,
-            "stream_window": transport.stream_window,
-        }
-        return cls(**{**settings, **overrides})
 
     def __post_init__(self) -> None:
         positive = ("default_timeout_s", "connect_timeout_s", "reconnect_interval_s")

@@ -15,14 +15,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from agora_core.config.run import AveragingConfig
+from agora_core.config.run import AveragingConfig, TransportConfig
+from agora_core.contract import Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
-from agora_core.schema import WorkerAnnouncement, averaging_summary_key, stage_workers_key
+from agora_core.schema import WorkerAnnouncement, averaging_summary_key, parse_entries, stage_workers_key
 from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
@@ -50,7 +51,8 @@ class Averager:
         self,
         *,
         config: AveragingConfig,
-        run: str,
+        transport: TransportConfig,  # owns the chunk size and compression of the streams
+        run_name: str,
         seed: int,
         stage: int,
         key: NodeKey,
@@ -62,10 +64,11 @@ class Averager:
         tensors: list,
         metrics: NodeMetrics,
         address: Callable[[], str],
-        phase: Callable[[], str],
+        phase: Callable[[], Phase],
     ):
         self.config = config
-        self._run, self._stage, self._key = run, stage, key
+        self.transport = transport
+        self._run_name, self._stage, self._key = run_name, stage, key
         self._dht, self._client = dht, client
         self._runtime, self._optimizer = runtime, optimizer
         self._address, self._phase = address, phase
@@ -73,18 +76,17 @@ class Averager:
         self.layout = SegmentLayout(
             [t.numel() for t in tensors], segments=config.segments, run_seed=seed, stage=stage
         )
-        self.matchmaker = Matchmaker(dht=dht, key=key, run=run, stage=stage)
+        self.matchmaker = Matchmaker(dht=dht, key=key, run_name=run_name, stage=stage)
         # Senders may reach this peer before it formed its group: they wait up to one window.
-        self.board = ReductionBoard(
-            server, early_wait_s=config.matchmaking_window_s + 5.0, window=config.window_chunks
-        )
+        # Streams get the node's window ([transport] stream_window).
+        self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
         self._last_round_samples = 0
         self.active_round: int | None = None
         self.active_group_size: int | None = None  # once the running round's group is formed
         self._task: asyncio.Task | None = None
         self.reports: list[RoundReport] = []
         self._publishing: set[asyncio.Task] = set()
-        self._summary = OwnedEntry(dht, key, averaging_summary_key(run, stage))
+        self._summary = OwnedEntry(dht, key, averaging_summary_key(run_name, stage))
         self._m_group = metrics.gauge("agora_averaging_group_size", "Peers in the last averaging round.")
         self._m_reduce = metrics.gauge(
             "agora_averaging_reduce_success", "Last round: inputs reducers received."
@@ -122,14 +124,8 @@ class Averager:
     # --- a round ----------------------------------------------------------------------------------
 
     async def _expected_peers(self) -> set[str]:
-        found = await self._dht.get(stage_workers_key(self._run, self._stage))
-        expected = {self._key.node_id}
-        for value in found.values():
-            try:
-                expected.add(WorkerAnnouncement.from_value(value.value).node_id)
-            except Exception:
-                continue
-        return expected
+        found = await self._dht.get(stage_workers_key(self._run_name, self._stage))
+        return {self._key.node_id} | {a.node_id for a in parse_entries(found, WorkerAnnouncement.from_value)}
 
     def info(self) -> dict:
         """Where the running round stands (for worker.info: operators, tools and tests)."""
@@ -161,15 +157,15 @@ class Averager:
             )
         )
         # Syncing joiners take the average without moving it (ARCHITECTURE §8).
-        syncing = self._phase() in ("weight_sync", "optimizer_sync")
-        weight = 0.0 if syncing else float(samples - self._last_round_samples)
+        phase = self._phase()
+        weight = float(samples - self._last_round_samples) if phase.counts_samples else 0.0
         self._last_round_samples = samples
         me = Peer(
             node_id=self._key.node_id,
             address=self._address(),
             weight=weight,
             reducer=self.reducer_eligible,
-            phase=self._phase(),
+            phase=phase,
         )
         try:
             group = await self.matchmaker.form_group(
@@ -192,10 +188,10 @@ class Averager:
             group=group,
             me=me.node_id,
             values=snapshot,
-            chunk_values=max(1, self.config.chunk_bytes // 4),
+            chunk_values=max(1, self.transport.chunk_bytes // 4),
             chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=deadline,
-            compress=self.config.compression == "auto",
+            compress=self.transport.compression,
         )
         steps_during = (
             await asyncio.wrap_future(self._runtime.call(lambda: self._apply(ranges, result.pieces))) - step

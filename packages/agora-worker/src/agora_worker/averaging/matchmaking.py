@@ -15,13 +15,11 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass
 
-from agora_core.dht import DhtNode
+from agora_core.contract import Phase
+from agora_core.dht import DhtNode, RecordRejected
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
-
-
-def round_key(run: str, stage: int, round_index: int) -> str:
-    return f"{run}/stage/{stage}/averaging/{round_index}"
+from agora_core.schema import averaging_round_key, parse_entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,23 +28,29 @@ class Peer:
     address: str
     weight: float  # samples processed since its last round; 0 for peers in weight sync
     reducer: bool  # may reduce a slice
-    phase: str
+    phase: Phase
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))  # a phase given by name
 
     @classmethod
-    def from_value(cls, value: object) -> Peer | None:
+    def from_value(cls, value: object) -> Peer:
+        """A peer's matchmaking entry; ``RecordRejected`` when it is malformed."""
         if not isinstance(value, dict):
-            return None
+            raise RecordRejected("a matchmaking entry must be a map")
         try:
             peer = cls(
                 node_id=str(value["node_id"]),
                 address=str(value["address"]),
                 weight=float(value["weight"]),
                 reducer=bool(value["reducer"]),
-                phase=str(value["phase"]),
+                phase=Phase(value["phase"]),
             )
-        except (KeyError, TypeError, ValueError):
-            return None
-        return peer if peer.weight >= 0 else None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecordRejected(f"malformed matchmaking entry: {exc!r}") from None
+        if peer.weight < 0:
+            raise RecordRejected("a peer's weight must be >= 0")
+        return peer
 
 
 @dataclass(frozen=True)
@@ -69,24 +73,22 @@ class Group:
 
 
 class Matchmaker:
-    def __init__(self, *, dht: DhtNode, key: NodeKey, run: str, stage: int, poll_s: float = 0.05):
+    def __init__(self, *, dht: DhtNode, key: NodeKey, run_name: str, stage: int, poll_s: float = 0.05):
         self._dht = dht
         self._key = key
-        self._run = run
+        self._run_name = run_name
         self._stage = stage
         self._poll_s = poll_s
 
     async def form_group(self, round_index: int, me: Peer, *, expected: set[str], window_s: float) -> Group:
         """Announce ``me`` and return the round's group (``me`` is always in it)."""
-        entry = OwnedEntry(self._dht, self._key, round_key(self._run, self._stage, round_index))
+        entry = OwnedEntry(
+            self._dht, self._key, averaging_round_key(self._run_name, self._stage, round_index)
+        )
         await entry.publish(asdict(me), max(3 * window_s, 30.0))
         deadline = time.monotonic() + window_s
         while True:
-            peers = {}
-            for value in (await entry.read_all()).values():
-                peer = Peer.from_value(value.value)
-                if peer is not None:
-                    peers[peer.node_id] = peer
+            peers = {peer.node_id: peer for peer in parse_entries(await entry.read_all(), Peer.from_value)}
             peers[me.node_id] = me
             if expected <= peers.keys() or time.monotonic() >= deadline:
                 return Group(round_index, tuple(sorted(peers.values(), key=lambda p: p.node_id)))

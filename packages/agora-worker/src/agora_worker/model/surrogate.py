@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from agora_core.config.run import ModelConfig
+from agora_core.contract import StageRole
+from agora_worker.model.loss import per_sample_loss
 from agora_worker.model.seeding import normal
-from agora_worker.model.stages import per_sample_loss, stage_kind
 
 
 class SurrogateStage(nn.Module):
@@ -24,16 +25,16 @@ class SurrogateStage(nn.Module):
         self.delay_scale = delay_scale
         self.config = config
         self.stage = stage
-        self.kind = stage_kind(stage, config.n_stages)
+        self.role = StageRole.of(stage, config.n_stages)
         self.boundary_width = k = config.subspace_rank
         self.surrogate = config.surrogate
-        if self.kind == "head":
+        if self.role == StageRole.HEAD:
             self.embedding = nn.Parameter(normal((config.vocab_size, k), 0.1, seed, "surrogate.embedding"))
         self.linear = nn.Linear(k, k)
         with torch.no_grad():
             self.linear.weight.copy_(normal((k, k), 0.1, seed, f"surrogate.{stage}.linear"))
             self.linear.bias.zero_()
-        if self.kind == "tail":
+        if self.role == StageRole.TAIL:
             self.lm_head = nn.Linear(k, config.vocab_size, bias=False)
             with torch.no_grad():
                 self.lm_head.weight.copy_(normal((config.vocab_size, k), 0.1, seed, "surrogate.lm_head"))
@@ -46,15 +47,18 @@ class SurrogateStage(nn.Module):
     ) -> torch.Tensor:
         if self.surrogate.fail_token >= 0 and bool((tokens == self.surrogate.fail_token).any()):
             raise RuntimeError(f"injected failure: token {self.surrogate.fail_token} in the batch")
-        x = self.embedding[tokens] if self.kind == "head" else boundary  # (B, T, k)
+        x = self.embedding[tokens] if self.role == StageRole.HEAD else boundary  # (B, T, k)
         x = x + torch.tanh(self.linear(x))
-        if self.kind != "tail":
+        if self.role != StageRole.TAIL:
             return x
         logits = self.lm_head(x)  # (B, T, V)
         return logits if labels is None else per_sample_loss(logits, labels)
 
-    def delay(self, phase: str, samples: int) -> None:
-        per_sample = self.surrogate.forward_delay_s if phase == "forward" else self.surrogate.backward_delay_s
+    def delay(self, direction: str, samples: int) -> None:
+        """Sleep as long as ``samples`` would take to compute, ``direction`` forward or backward."""
+        per_sample = (
+            self.surrogate.forward_delay_s if direction == "forward" else self.surrogate.backward_delay_s
+        )
         if per_sample > 0:
             time.sleep(
                 per_sample * self.delay_scale * samples

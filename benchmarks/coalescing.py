@@ -23,6 +23,7 @@ import torch
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
+from agora_core.contract import Method
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcClient
@@ -75,7 +76,7 @@ async def served(address: str, kind: str, clients: int, seconds: float) -> tuple
     rng = np.random.default_rng(0)
     done = 0
     async with RpcClient() as client:
-        before = (await client.call(address, "worker.info")).meta
+        before = (await client.call(address, Method.WORKER_INFO)).meta
 
         async def lane(seed: int) -> None:
             nonlocal done
@@ -92,7 +93,7 @@ async def served(address: str, kind: str, clients: int, seconds: float) -> tuple
         stop_at = started + seconds
         await asyncio.gather(*(lane(i) for i in range(clients)))
         elapsed = time.perf_counter() - started
-        after = (await client.call(address, "worker.info")).meta
+        after = (await client.call(address, Method.WORKER_INFO)).meta
     return done / elapsed, before, after
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config.run import DhtConfig
+from agora_core.contract import Method
 from agora_core.dht import DhtNode, Status
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
@@ -165,7 +166,7 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float) -> Non
         for i in range(ops):
             a, b = rng.sample(swarm.nodes, 2)
             t = time.perf_counter()
-            await a.client.call(b.address, "dht.get", {"keys": []})  # a minimal handler
+            await a.client.call(b.address, Method.DHT_GET, {"keys": []})  # a minimal handler
             rtts.append(time.perf_counter() - t)
             key = f"bench/{size}/{i}"
             t = time.perf_counter()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
+from agora_core.contract import Method
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
@@ -65,10 +66,10 @@ async def measure(report, run, shards, bootstrap, bottleneck: str, lanes: int, s
     try:
         training = asyncio.create_task(trainer.train())
         await asyncio.sleep(2.0)  # warm-up: connections, balancer estimates, a full pipeline
-        before = (await client.call(bottleneck, "worker.info")).meta
+        before = (await client.call(bottleneck, Method.WORKER_INFO)).meta
         done, wall = trainer.counters.completed, time.perf_counter()
         await asyncio.sleep(seconds)
-        after = (await client.call(bottleneck, "worker.info")).meta
+        after = (await client.call(bottleneck, Method.WORKER_INFO)).meta
         done, wall = trainer.counters.completed - done, time.perf_counter() - wall
         trainer.request_stop()
         await training

@@ -1,42 +1,28 @@
-"""The RPC client: one ROUTER socket for all peers, many calls in flight to each.
+"""The RPC client: calls and streams to remote :class:`RpcServer` nodes.
 
-A node talks to many peers (a full-membership DHT talks to all of them), so the client
-connects one ROUTER socket to every peer it calls, naming each connection with a routing id
-of its own, instead of opening a socket (and a monitor) per peer. Replies are matched to calls
-by request id. A connection is made on first use and reused; the socket's monitor says when
-it is up or lost, so a call to a dead or vanished peer fails with :class:`PeerUnreachable`
-instead of waiting out its whole deadline. Idle connections beyond ``max_connections`` are
-closed, least recently used first.
+Every call gets a request id and a deadline that travels with it; a reply is matched to its
+call by that id on the connection it went out on (see :mod:`agora_core.rpc.connections`: one
+ROUTER socket for all peers). A call that runs out of time, or whose caller gives up, sends
+the server a cancel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
 from agora_core.dtypes import Tensor
-from agora_core.errors import DeadlineExceeded, PeerUnreachable, WireError, rpc_error_from_code
+from agora_core.errors import DeadlineExceeded
 from agora_core.linkemu import LinkEmulator
-from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.rpc.connections import ClientConnections
 from agora_core.rpc.streams import ClientStream
-from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
-from agora_core.rpc.types import Payload, RpcConfig, Traffic
-from agora_core.wire import Kind, Message, check_header, decode_tensors, encode, unpack_header
-
-log = get_logger("rpc.client")
-
-_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-_CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (refused, ...)
+from agora_core.rpc.types import Payload, RpcConfig
+from agora_core.wire import Kind, Message
 
 
 class _Expired(Exception):
@@ -61,33 +47,7 @@ def _request(rid: int, method: str, deadline: float, meta, tensors, *, credit: i
     )
 
 
-class _Peer:
-    """One connection: its routing id on the client socket and the calls waiting on it."""
-
-    def __init__(self, address: str, routing_id: bytes):
-        self.address = address
-        self.routing_id = routing_id
-        self.connected = False
-        self.error: Exception | None = None  # why the connection was dropped
-        self.settled = asyncio.Event()  # connected, or dropped: either ends a wait to connect
-        self.pending: dict[int, asyncio.Future] = {}
-        self.streams: dict[int, ClientStream] = {}
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.pending or self.streams)
-
-    def fail_all(self, error: Exception) -> None:
-        self.error = error
-        self.settled.set()
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-        for stream in self.streams.values():
-            stream.resolve(error)
-
-
-class RpcClient:
+class RpcClient(ClientConnections):
     """Calls methods on remote :class:`RpcServer` nodes. Use from one event loop."""
 
     def __init__(
@@ -98,200 +58,19 @@ class RpcClient:
         metrics: NodeMetrics | None = None,
         node_id: str = "",
     ):
-        self.config = config or RpcConfig()
-        self.link = link
-        self.node_id = node_id
-        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()  # LRU order
-        self._by_routing_id: dict[bytes, _Peer] = {}
-        self._routing_ids = itertools.count(1)
-        self._request_ids = itertools.count(1)
-        self._pump: SocketPump | None = None
-        self._monitor: SocketPump | None = None
-        self._background: set[asyncio.Task] = set()
-        self.traffic = Traffic()
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
         self._m_calls = metrics.counter(
             "agora_rpc_client_calls_total", "Calls made, by outcome.", ["outcome"]
         )
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
-        self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
-        self._lost_listeners: list[Callable[[str], None]] = []
-        metrics.counter_from(
-            "agora_rpc_client_bytes_total",
-            "Bytes through the client socket.",
-            ["direction"],
-            self.traffic.bytes_by_direction,
-        )
-
-    def on_connection_lost(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(address)`` whenever an established connection drops (the peer
-        closed it or died); failure detectors use it as a hint to look at that peer now."""
-        self._lost_listeners.append(listener)
-
-    # --- the socket and its connections -----------------------------------------------------
-
-    def _socket(self) -> SocketPump:
-        if self._pump is None:
-            sock = new_socket(zmq.ROUTER, self.config)
-            # Unroutable sends raise instead of vanishing silently.
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED)
-            self._monitor = SocketPump(monitor, self._on_monitor_event, name="rpc-client monitor")
-            self._pump = SocketPump(sock, self._on_frames, link=self.link, name="rpc-client")
-            self._monitor.start()
-            self._pump.start()
-        return self._pump
-
-    def _peer(self, address: str) -> _Peer:
-        address = normalize_address(address)
-        peer = self._peers.get(address)
-        if peer is not None:
-            self._peers.move_to_end(address)
-            return peer
-        sock = self._socket().socket
-        if len(self._peers) >= self.config.max_connections:
-            for idle in [p for p in self._peers.values() if not p.busy][:1]:
-                self._drop(idle, None)  # the least recently used idle connection
-        peer = _Peer(address, b"p%d" % next(self._routing_ids))
-        sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer.routing_id)
-        sock.connect(address)
-        self._peers[address] = peer
-        self._by_routing_id[peer.routing_id] = peer
-        self._m_connections.set(len(self._peers))
-        return peer
-
-    def _drop(self, peer: _Peer, error: Exception | None) -> None:
-        """Forget a connection: fail its calls, close it so zmq stops reconnecting."""
-        if self._peers.get(peer.address) is peer:
-            del self._peers[peer.address]
-        self._by_routing_id.pop(peer.routing_id, None)
-        peer.fail_all(error or PeerUnreachable(f"connection to {peer.address} was closed"))
-        if self._pump is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._pump.socket.disconnect(peer.address)
-        self._m_connections.set(len(self._peers))
-
-    def _on_monitor_event(self, frames: list) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])
-        peer = self._peers.get(event["endpoint"].decode())
-        if peer is None:
-            return
-        if event["event"] == _HANDSHAKE_SUCCEEDED:
-            peer.connected = True
-            peer.settled.set()
-        elif event["event"] == _DISCONNECTED:
-            self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
-            for listener in self._lost_listeners:
-                listener(peer.address)
-        elif event["event"] == _CONNECT_RETRIED and not peer.connected:
-            # Nobody accepted the connection (on a LAN or loopback: refused). Fail the calls
-            # now rather than at the connect timeout; the next call tries afresh.
-            self._drop(peer, PeerUnreachable(f"could not connect to {peer.address} (refused)"))
-
-    async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
-        if not peer.settled.is_set():
-            limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
-            try:
-                async with asyncio.timeout(limit):
-                    await peer.settled.wait()
-            except TimeoutError:
-                error = PeerUnreachable(
-                    f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"
-                )
-                self._drop(peer, error)
-                raise error from None
-        if peer.error is not None:
-            raise peer.error
-
-    async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
-        message.sender = self.node_id
-        frames = encode(message, self.config.wire)
-        nbytes = frames_nbytes(frames)
-        self.traffic.sent(nbytes)
-        try:
-            await self._socket().send([peer.routing_id, *frames], deadline)
-        except ConnectionError:
-            raise PeerUnreachable(f"connection to {peer.address} is gone") from None
-
-    def _send_soon(self, peer: _Peer, message: Message) -> None:
-        """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""
-        if peer.routing_id not in self._by_routing_id:
-            return
-        task = asyncio.get_running_loop().create_task(self._send(peer, message))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve, ignore
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    # --- incoming messages -------------------------------------------------------------------
-
-    def _on_frames(self, frames: list) -> None:
-        nbytes = frames_nbytes(frames)
-        self.traffic.received(nbytes)
-        peer = self._by_routing_id.get(frames[0].bytes)
-        if peer is None or len(frames) < 2:
-            return  # from a connection already dropped
-        limits = self.config.wire.limits
-        try:
-            header = unpack_header(frames[1], limits)
-            message = check_header(header, limits)
-        except WireError as exc:
-            log.warning("bad_reply_dropped", peer=peer.address, error=str(exc))
-            return
-        rid = message.request_id
-        future = peer.pending.get(rid)
-        stream = peer.streams.get(rid)
-        if future is None and stream is None:
-            return  # a reply to a call that already gave up
-        if message.kind in (Kind.RESPONSE, Kind.STREAM):
-            try:
-                message.tensors = decode_tensors(header, frames[2:], limits)
-            except WireError as exc:
-                _settle(future, stream, exc)
-                return
-        if message.kind == Kind.ERROR:
-            _settle(future, stream, rpc_error_from_code(message.error_code, message.error_message))
-        elif message.kind == Kind.RESPONSE:
-            _settle(future, stream, message)
-        elif stream is not None and message.kind == Kind.CREDIT:
-            stream.grant(message.credit)
-        elif stream is not None and message.kind == Kind.STREAM:
-            try:
-                stream.feed(message)
-            except Exception as exc:
-                _settle(None, stream, exc)
-                self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
-
-    # --- lifecycle ---------------------------------------------------------------------------
-
-    async def disconnect(self, address: str) -> None:
-        """Close the connection to ``address`` (pending calls fail with PeerUnreachable)."""
-        peer = self._peers.get(normalize_address(address))
-        if peer is not None:
-            self._drop(peer, None)
-
-    async def close(self) -> None:
-        for peer in list(self._peers.values()):
-            self._drop(peer, None)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        for pump in (self._pump, self._monitor):
-            if pump is not None:
-                if pump is self._pump:
-                    with contextlib.suppress(zmq.ZMQError):
-                        pump.socket.disable_monitor()
-                await pump.close()
-        self._pump = self._monitor = None
+        super().__init__(config=config or RpcConfig(), link=link, metrics=metrics, node_id=node_id)
+        self._request_ids = itertools.count(1)
 
     async def __aenter__(self) -> RpcClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-    @property
-    def connections(self) -> int:
-        return len(self._peers)
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -405,13 +184,3 @@ class RpcClient:
             if not stream.done:
                 self._send_soon(peer, Message(kind=Kind.CANCEL, request_id=rid))
             self._count(outcome)
-
-
-def _settle(future: asyncio.Future | None, stream: ClientStream | None, outcome) -> None:
-    if future is not None and not future.done():
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-    if stream is not None:
-        stream.resolve(outcome)

@@ -125,7 +125,7 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
     log = get_logger("node")
     key = NodeKey.generate()
     metrics = NodeMetrics(role="node", instance=key.node_id[:12])
-    link = LinkEmulator(settings.link_config) if settings.link_config else None
+    link = settings.link_emulator()
     server = RpcServer(listen=settings.listen, link=link, metrics=metrics, node_id=key.node_id)
     server.register(Method.PING, _ping)
     server.register(Method.ECHO, _echo)
@@ -198,7 +198,7 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
     log = get_logger("dht.cli")
     key = NodeKey.load_or_create(settings.key_file)
     metrics = NodeMetrics(role="dht", instance=key.node_id[:12])
-    link = LinkEmulator(settings.link_config) if settings.link_config else None
+    link = settings.link_emulator()
     node = DhtNode(
         key=key,
         config=run.dht,

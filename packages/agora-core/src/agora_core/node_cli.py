@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -19,6 +19,7 @@ from agora_core.config import NodeSettings, RunConfig, load_run_config, resolve_
 from agora_core.errors import ConfigError
 from agora_core.logs import configure_logging
 
+S = TypeVar("S")
 NODE_OPTIONS = ("listen", "advertise", "key_file", "metrics_port", "link", "log_format")
 
 _OPTIONS = [
@@ -73,6 +74,21 @@ def node_options(command: Callable) -> Callable:
 def fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def launch_role(
+    options: dict[str, Any], config_file: str | None, settings_cls: type[S]
+) -> tuple[NodeSettings, RunConfig, S]:
+    """What a role's ``run`` command does first: the node settings (from the ``@node_options``
+    among ``options``), the run config, the role's own settings (from the other options, named
+    as ``settings_cls``'s fields), each error exiting with its message; then
+    :func:`prepare_process`."""
+    flags = {name: value for name, value in options.items() if name not in NODE_OPTIONS}
+    node = resolve_node(options)
+    run = load_config(config_file)
+    settings = settings_from_flags(settings_cls, **flags)
+    prepare_process(node)
+    return node, run, settings
 
 
 def prepare_process(node: NodeSettings) -> None:

@@ -12,15 +12,11 @@ import click
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkEmulator
 from agora_core.metrics import NodeMetrics
 from agora_core.node_cli import (
     fail,
-    load_config,
+    launch_role,
     node_options,
-    prepare_process,
-    resolve_node,
-    settings_from_flags,
     status_interval_option,
 )
 from agora_trainer import __version__
@@ -109,34 +105,9 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
     "--progress-interval", "progress_interval_s", type=float, help="Seconds between progress reports."
 )
 @status_interval_option()
-def run(
-    config_file,
-    shards_dir,
-    bootstrap,
-    lanes,
-    max_samples,
-    state_file,
-    loss_log,
-    backward_routing,
-    refresh_interval_s,
-    progress_interval_s,
-    status_interval_s,
-    **options,
-) -> None:
+def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> None:
     """Train on the samples in --shards until they run out, --max-samples, or Ctrl-C."""
-    node = resolve_node(options)
-    run_config = load_config(config_file)
-    settings = settings_from_flags(
-        TrainerSettings,
-        lanes=lanes,
-        max_samples=max_samples,
-        state_file=state_file,
-        loss_log=loss_log,
-        backward_routing=backward_routing,
-        refresh_interval_s=refresh_interval_s,
-        progress_interval_s=progress_interval_s,
-    )
-    prepare_process(node)
+    node, run_config, settings = launch_role(options, config_file, TrainerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
         trainer = Trainer(
@@ -148,7 +119,7 @@ def run(
             advertise=node.advertise,
             settings=settings,
             metrics=NodeMetrics(role="trainer", instance=key.node_id[:12]),
-            link=LinkEmulator(node.link_config) if node.link_config else None,
+            link=node.link_emulator(),
         )
         asyncio.run(_run(trainer, node, status_interval_s))
     except (AgoraError, ShardError, OSError, ValueError) as exc:

@@ -12,16 +12,12 @@ from agora_core.config import NodeSettings
 from agora_core.contract import Phase
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.node_cli import (
     fail,
-    load_config,
+    launch_role,
     node_options,
-    prepare_process,
-    resolve_node,
-    settings_from_flags,
 )
 from agora_worker import __version__
 from agora_worker.settings import WorkerSettings
@@ -68,7 +64,7 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
 @click.option("--stage", required=True, type=int, help="Pipeline stage to serve (0 = head).")
 @node_options
 @click.option("--device", help="auto (default: CUDA when present), cpu, cuda or cuda:N.")
-@click.option("--max-batch", "max_batch", type=int, help="Most samples merged into one microbatch.")
+@click.option("--max-batch", "max_batch_samples", type=int, help="Most samples merged into one microbatch.")
 @click.option("--max-batch-tokens", type=int, help="Most tokens in one microbatch.")
 @click.option(
     "--progress-interval", "progress_interval_s", type=float, help="Seconds between stage-progress checks."
@@ -85,36 +81,11 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     type=float,
     help="Surrogate stages only: multiply the injected delays (a slower node).",
 )
-def run(
-    config_file,
-    stage,
-    bootstrap,
-    device,
-    max_batch,
-    max_batch_tokens,
-    progress_interval_s,
-    announce_interval_s,
-    surrogate_delay_scale,
-    phase,
-    **options,
-) -> None:
+def run(config_file, stage, bootstrap, **options) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
-    node = resolve_node(options)
-    run_config = load_config(config_file)
-    settings = settings_from_flags(
-        WorkerSettings,
-        device=device,
-        max_batch_samples=max_batch,
-        max_batch_tokens=max_batch_tokens,
-        progress_interval_s=progress_interval_s,
-        announce_interval_s=announce_interval_s,
-        surrogate_delay_scale=surrogate_delay_scale,
-        phase=phase,
-    )
-    prepare_process(node)
+    node, run_config, settings = launch_role(options, config_file, WorkerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
-        link_emulator = LinkEmulator(node.link_config) if node.link_config else None
         worker = Worker(
             run=run_config,
             stage=stage,
@@ -124,7 +95,7 @@ def run(
             advertise=node.advertise,
             settings=settings,
             metrics=NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12]),
-            link=link_emulator,
+            link=node.link_emulator(),
         )
         asyncio.run(_run(worker, node))
     except (AgoraError, OSError, ValueError) as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agora_core.config.loader import build, coerce, field_types, require
-from agora_core.linkemu import LinkConfig
+from agora_core.linkemu import LinkConfig, LinkEmulator
 
 ENV_PREFIX = "AGORA_"
 S = TypeVar("S")
@@ -67,6 +67,11 @@ class NodeSettings:
     @property
     def link_config(self) -> LinkConfig | None:
         return LinkConfig.parse(self.link) if self.link else None
+
+    def link_emulator(self) -> LinkEmulator | None:
+        """A new emulator of the configured link for this node's sockets (None: a real link)."""
+        config = self.link_config
+        return LinkEmulator(config) if config else None
 
     @classmethod
     def resolve(

@@ -42,7 +42,8 @@ from agora_core.config.run import AveragingConfig
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.testing import ChildProcess, spawn_python
-from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
+from agora_worker.averaging.allreduce import all_reduce
+from agora_worker.averaging.board import ReductionBoard
 from agora_worker.averaging.matchmaking import Group, Peer
 
 SCRIPT = str(Path(__file__).resolve())

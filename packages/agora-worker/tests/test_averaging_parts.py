@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from agora_core.contract import Method
 from agora_core.rpc import Payload, RpcClient, RpcServer
-from agora_worker.averaging import allreduce
-from agora_worker.averaging.allreduce import SliceReduction, chunk_bounds, slice_bounds
+from agora_worker.averaging import reducer
+from agora_worker.averaging.allreduce import slice_bounds
 from agora_worker.averaging.matchmaking import Group, Peer
+from agora_worker.averaging.reducer import SliceReduction, chunk_bounds
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
+from agora_worker.averaging.sender import contribute
 
 
 def test_segments_partition_the_vector_and_agree_across_replicas():
@@ -63,6 +66,20 @@ def group(*weights: float) -> Group:
     return Group(1, members)
 
 
+def slice_reduction(g: Group, *, stop: int, chunk: int, chunk_timeout_s: float, **kwargs) -> SliceReduction:
+    """A reducer of slice 0, values [0, stop), with no round deadline."""
+    return SliceReduction(
+        group=g,
+        slice_index=0,
+        start=0,
+        stop=stop,
+        chunk=chunk,
+        chunk_timeout_s=chunk_timeout_s,
+        deadline=1e18,
+        **kwargs,
+    )
+
+
 async def drain(reduction: SliceReduction, sender: str) -> dict[int, np.ndarray]:
     out = {}
     queue = reduction.outboxes[sender]
@@ -76,7 +93,7 @@ async def drain(reduction: SliceReduction, sender: str) -> dict[int, np.ndarray]
 
 async def test_reducer_returns_weighted_average_minus_each_senders_values():
     g = group(1.0, 3.0, 0.0)  # n2 is in weight sync: it receives the average, does not move it
-    reduction = SliceReduction(g, 0, 0, 6, 4, chunk_timeout_s=5.0, deadline=1e18)
+    reduction = slice_reduction(g, stop=6, chunk=4, chunk_timeout_s=5.0)
     values = {
         "n0": np.full(6, 1.0, np.float32),
         "n1": np.full(6, 5.0, np.float32),
@@ -95,7 +112,7 @@ async def test_reducer_returns_weighted_average_minus_each_senders_values():
 
 
 async def test_a_sender_past_its_chunk_deadline_is_banned_and_the_rest_averaged():
-    reduction = SliceReduction(group(1.0, 1.0, 1.0), 0, 0, 4, 4, chunk_timeout_s=0.0, deadline=1e18)
+    reduction = slice_reduction(group(1.0, 1.0, 1.0), stop=4, chunk=4, chunk_timeout_s=0.0)
     reduction.add("n0", 0, np.zeros(4, np.float32))
     reduction.add("n1", 0, np.full(4, 2.0, np.float32))
     assert not reduction.finished
@@ -103,8 +120,9 @@ async def test_a_sender_past_its_chunk_deadline_is_banned_and_the_rest_averaged(
     assert reduction.banned == {"n2"} and reduction.finished
     assert (await drain(reduction, "n0"))[0].tolist() == [1.0] * 4
     assert reduction.received == 2 and reduction.expected_inputs == 3
+    alone = slice_reduction(group(1.0), stop=4, chunk=4, chunk_timeout_s=1.0)
     with pytest.raises(ValueError):
-        SliceReduction(group(1.0), 0, 0, 4, 4, 1.0, 1e18).add("n0", 0, np.zeros(3, np.float32))
+        alone.add("n0", 0, np.zeros(3, np.float32))
 
 
 def test_slices_and_chunks_tile_the_segment():
@@ -113,7 +131,7 @@ def test_slices_and_chunks_tile_the_segment():
 
 
 async def test_a_banned_sender_is_taken_out_of_chunks_it_already_sent():
-    reduction = SliceReduction(group(1.0, 1.0, 2.0), 0, 0, 8, 4, chunk_timeout_s=60.0, deadline=1e18)
+    reduction = slice_reduction(group(1.0, 1.0, 2.0), stop=8, chunk=4, chunk_timeout_s=60.0)
     reduction.add("n2", 1, np.full(4, 50.0, np.float32))  # its second chunk, then it goes silent
     reduction.add("n0", 1, np.full(4, 1.0, np.float32))
     reduction.check_deadlines()  # well within the timeout: nobody is banned yet
@@ -126,9 +144,7 @@ async def test_a_banned_sender_is_taken_out_of_chunks_it_already_sent():
 
 async def test_a_slow_sender_that_keeps_sending_is_not_banned():
     now = [0.0]  # the reducer's clock, moved by hand
-    reduction = SliceReduction(
-        group(1.0, 1.0), 0, 0, 12, 4, chunk_timeout_s=0.2, deadline=1e18, clock=lambda: now[0]
-    )
+    reduction = slice_reduction(group(1.0, 1.0), stop=12, chunk=4, chunk_timeout_s=0.2, clock=lambda: now[0])
     for index in range(3):
         reduction.add("n0", index, np.zeros(4, np.float32))
     for index in range(3):  # n1 lags the fast sender by more than the timeout, chunk after chunk
@@ -141,9 +157,7 @@ async def test_a_slow_sender_that_keeps_sending_is_not_banned():
 
 async def test_a_sender_silent_past_the_timeout_while_it_owes_chunks_is_banned():
     now = [0.0]
-    reduction = SliceReduction(
-        group(1.0, 1.0), 0, 0, 8, 4, chunk_timeout_s=0.2, deadline=1e18, clock=lambda: now[0]
-    )
+    reduction = slice_reduction(group(1.0, 1.0), stop=8, chunk=4, chunk_timeout_s=0.2, clock=lambda: now[0])
     reduction.add("n0", 0, np.zeros(4, np.float32))
     reduction.add("n1", 0, np.ones(4, np.float32))
     reduction.add("n0", 1, np.zeros(4, np.float32))
@@ -156,9 +170,9 @@ async def test_a_sender_silent_past_the_timeout_while_it_owes_chunks_is_banned()
 
 
 async def test_blocked_reduction_matches_the_weighted_mean_and_reuses_received_buffers(monkeypatch):
-    monkeypatch.setattr(allreduce, "BLOCK_VALUES", 3)  # blocks of 3 over chunks of 7: a short last block
+    monkeypatch.setattr(reducer, "BLOCK_VALUES", 3)  # blocks of 3 over chunks of 7: a short last block
     g = group(2.0, 1.0, 0.0, 5.0)
-    reduction = SliceReduction(g, 0, 0, 14, 7, chunk_timeout_s=5.0, deadline=1e18)
+    reduction = slice_reduction(g, stop=14, chunk=7, chunk_timeout_s=5.0)
     rng = np.random.default_rng(4)
     values = {f"n{i}": rng.standard_normal(14).astype(np.float32) for i in range(4)}
     received = {}  # copies as a reducer gets them off the wire: its own buffers
@@ -181,7 +195,7 @@ async def test_blocked_reduction_matches_the_weighted_mean_and_reuses_received_b
 
 
 async def test_senders_without_samples_get_a_plain_mean():
-    reduction = SliceReduction(group(0.0, 0.0), 0, 0, 4, 4, chunk_timeout_s=5.0, deadline=1e18)
+    reduction = slice_reduction(group(0.0, 0.0), stop=4, chunk=4, chunk_timeout_s=5.0)
     reduction.add("n0", 0, np.zeros(4, np.float32))
     reduction.add("n1", 0, np.full(4, 4.0, np.float32))
     assert (await drain(reduction, "n0"))[0].tolist() == [2.0] * 4
@@ -202,11 +216,11 @@ async def test_a_reducer_returning_a_chunk_twice_or_out_of_range_is_not_trusted(
     async def echo(request):
         return Payload(request.meta)
 
-    server.register(allreduce.METHOD, bad_reducer, stream=True)
+    server.register(Method.AVERAGING_REDUCE, bad_reducer, stream=True)
     server.register("test.echo", echo)
     address = await server.start()
     try:
-        result = await allreduce.contribute(
+        result = await contribute(
             client=client,
             local=lambda: None,
             group=group(1.0, 1.0),

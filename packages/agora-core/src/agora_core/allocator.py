@@ -1,23 +1,8 @@
-"""glibc malloc settings for nodes that move large tensors.
+"""glibc malloc settings for nodes that move large tensors: chunk-sized buffers stay on the heap.
 
-glibc serves a large allocation with its own ``mmap`` and unmaps it on ``free``; its threshold
-adapts upwards, but the heap top is still trimmed back to the OS once more than twice that is
-free. A node that receives, weighs and returns 2 MiB chunks all round long then pays a page
-fault (and a page zeroed by the kernel) for every 4 KiB of every chunk, every time: in the
-averaging benchmark that was a quarter of all CPU. Fixing both thresholds keeps chunk-sized
-blocks on the heap, where ``free`` + ``malloc`` reuse them without the kernel.
-
-Other threads allocate from arenas of 64 MiB heaps (zmq's I/O thread allocates every message
-it receives in its own), and glibc unmaps an arena's extra heap as soon as it is empty unless
-the top pad is at least a heap: with a round's chunks in flight, that heap emptied and came
-back every round, faulted in afresh. The top pad is address space reserved when a heap grows,
-not memory: pages still count only once touched.
-
-The cost is memory the process keeps after a burst: at most ``trim_threshold_bytes`` of free
-heap top, and up to a heap (the top pad) of each thread arena's free space. Blocks larger than ``mmap_threshold_bytes``
-(whole segments, model weights) still come from ``mmap`` and go straight back.
-
-``AGORA_MALLOC_TUNING=0`` leaves malloc as it is. Elsewhere than glibc this does nothing.
+Blocks up to ``mmap_threshold_bytes`` are heap-served, the heap keeps ``trim_threshold_bytes``
+free at its top and each thread arena one heap of pad, so a message's buffers are reused, not
+mapped and faulted in afresh. Why, and what it saved: the agora-core README ("Malloc tuning").
 """
 
 from __future__ import annotations
@@ -45,7 +30,7 @@ def tune_for_large_messages(
     mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
     trim_threshold_bytes: int = TRIM_THRESHOLD_BYTES,
 ) -> bool:
-    """Apply the thresholds to this process's malloc; True when they took effect.
+    """Apply the thresholds and the top pad to this process's malloc; True when they took effect.
 
     Call it once, early in a node's process (before the hot path allocates). Safe to call
     again; does nothing when ``AGORA_MALLOC_TUNING=0`` or the C library is not glibc.

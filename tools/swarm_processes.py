@@ -1,0 +1,250 @@
+"""The processes of a local swarm: starting, tracking and stopping its nodes.
+
+Every node (the DHT seed, each worker, each trainer) is its own ``python -m ...`` process with
+its log file under the run directory; RUN_DIR/swarm.json (:class:`SwarmFile`) lists them, so a
+later ``swarm.py`` command can act on a swarm another one started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
+# One compute thread per process: a swarm on a laptop has more processes than cores.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_FORMAT": "console"}
+SERVING_PREFIX = "  serving    "  # a node's startup line that carries its address
+
+
+@dataclass
+class Member:
+    role: str  # dht, worker, trainer
+    name: str  # e.g. worker-1-0
+    pid: int
+    log: str
+    stage: int | None = None
+    address: str = ""
+    alive: bool = True
+
+
+@dataclass
+class SwarmFile:
+    """RUN_DIR/swarm.json: what ``up`` started, so ``down``/``kill-worker``/``add-worker`` can act."""
+
+    run_dir: str
+    config: str
+    seed_address: str = ""
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir) / "swarm.json"
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(self.path)  # readers never see half a file
+
+    @classmethod
+    def load(cls, run_dir: Path) -> SwarmFile:
+        path = run_dir / "swarm.json"
+        if not path.exists():
+            raise click.ClickException(f"no swarm in {run_dir} (no swarm.json): start one with `swarm.py up`")
+        data = json.loads(path.read_text())
+        return cls(
+            data["run_dir"], data["config"], data["seed_address"], [Member(**m) for m in data["members"]]
+        )
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **CHILD_ENV},
+            start_new_session=True,  # Ctrl-C reaches `up`, which stops the children in order
+        )
+    finally:
+        log.close()
+
+
+def wait_for_line(proc: subprocess.Popen, log_path: Path, prefix: str, timeout_s: float) -> str:
+    """The rest of the first line in the child's log that starts with ``prefix``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        if proc.poll() is not None:
+            raise click.ClickException(f"{log_path.name}: exited with code {proc.returncode}; see {log_path}")
+        time.sleep(0.1)  # polling a file another process writes: there is nothing to wait on
+    raise click.ClickException(
+        f"{log_path.name}: no {prefix.strip()!r} line after {timeout_s:g} s; see {log_path}"
+    )
+
+
+def wait_serving(member: Member, proc: subprocess.Popen) -> str:
+    """The address a started node serves at, once its log says so."""
+    return wait_for_line(proc, Path(member.log), SERVING_PREFIX, STARTUP_TIMEOUT_S)
+
+
+def start_seed(swarm: SwarmFile) -> subprocess.Popen:
+    """Start the DHT seed and record it; ``swarm.seed_address`` is set once it serves."""
+    run_dir = Path(swarm.run_dir)
+    log = run_dir / "logs" / "dht.log"
+    proc = spawn(
+        [
+            "-m",
+            "agora_core",
+            "dht",
+            "serve",
+            "--config",
+            swarm.config,
+            "--key-file",
+            str(run_dir / "keys" / "dht.key"),
+        ],
+        log,
+    )
+    member = Member("dht", "dht", proc.pid, str(log))
+    swarm.members.append(member)
+    swarm.seed_address = wait_serving(member, proc)
+    swarm.save()
+    return proc
+
+
+def start_worker(
+    swarm: SwarmFile, stage: int, extra: tuple[str, ...] = ()
+) -> tuple[Member, subprocess.Popen]:
+    run_dir = Path(swarm.run_dir)
+    index = sum(1 for m in swarm.members if m.role == "worker" and m.stage == stage)
+    name = f"worker-{stage}-{index}"
+    log = run_dir / "logs" / f"{name}.log"
+    proc = spawn(
+        [
+            "-m",
+            "agora_worker",
+            "run",
+            "--config",
+            swarm.config,
+            "--stage",
+            str(stage),
+            "--bootstrap",
+            swarm.seed_address,
+            "--key-file",
+            str(run_dir / "keys" / f"{name}.key"),
+            "--device",
+            "cpu",
+            # steps come every second or so here: check the stage's progress often, so a step
+            # holds close to target_batch_size samples, as in the reference
+            "--progress-interval",
+            "0.1",
+            *extra,
+        ],
+        log,
+    )
+    member = Member("worker", name, proc.pid, str(log), stage=stage)
+    swarm.members.append(member)
+    swarm.save()
+    return member, proc
+
+
+def start_trainer(
+    swarm: SwarmFile,
+    index: int,
+    shards: Path,
+    *,
+    lanes: int,
+    samples: int | None,
+    status_interval_s: float,
+    extra: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """Start trainer ``index`` on the shards in ``shards`` and record it (the caller saves)."""
+    run_dir = Path(swarm.run_dir)
+    name = f"trainer-{index}"
+    log = run_dir / "logs" / f"{name}.log"
+    args = [
+        "-m",
+        "agora_trainer",
+        "run",
+        "--config",
+        swarm.config,
+        "--shards",
+        str(shards),
+        "--bootstrap",
+        swarm.seed_address,
+        "--key-file",
+        str(run_dir / "keys" / f"{name}.key"),
+        "--lanes",
+        str(lanes),
+        "--loss-log",
+        str(run_dir / f"{name}.losses.jsonl"),
+        "--progress-interval",
+        "1",
+        "--status-interval",
+        str(status_interval_s),
+    ]
+    if samples:
+        args += ["--max-samples", str(samples)]
+    args += extra
+    proc = spawn(args, log)
+    swarm.members.append(Member("trainer", name, proc.pid, str(log)))
+    return proc
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours still answers kill(0); reap it if it is ours
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def kill_last_worker(swarm: SwarmFile, stage: int) -> Member | None:
+    """SIGKILL the last started live worker of ``stage`` (None if it has none)."""
+    live = [m for m in swarm.members if m.role == "worker" and m.stage == stage and m.alive and alive(m.pid)]
+    if not live:
+        return None
+    victim = live[-1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.alive = False
+    swarm.save()
+    return victim
+
+
+def stop_all(swarm: SwarmFile, timeout_s: float = 20.0) -> None:
+    """SIGTERM trainers first (their lanes finish), then workers, then the seed; SIGKILL stragglers."""
+    order = {"trainer": 0, "worker": 1, "dht": 2}
+    for role in sorted(order, key=order.get):
+        members = [m for m in swarm.members if m.role == role and alive(m.pid)]
+        for m in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(alive(m.pid) for m in members) and time.monotonic() < deadline:
+            time.sleep(0.1)  # other processes' exits: polled with a deadline
+        for m in members:
+            if alive(m.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(m.pid, signal.SIGKILL)
+    for m in swarm.members:
+        m.alive = False
+    swarm.save()

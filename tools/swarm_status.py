@@ -1,0 +1,154 @@
+"""What a local swarm is doing, read from its DHT and its loss logs, and the lines that say so.
+
+:class:`StatusReader` joins the swarm as a light DHT member and reads what the nodes publish
+(workers, stage progress, averaging summaries, trainer progress); :func:`watch` prints a status
+line every few seconds until the trainers are done; :func:`summarize` prints the run's loss and
+throughput from the trainers' loss logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from agora_core.dht import DhtNode, RecordRejected
+from agora_core.errors import AgoraError
+from agora_core.identity import NodeKey
+from agora_core.schema import (
+    StageProgress,
+    TrainerProgress,
+    WorkerAnnouncement,
+    averaging_summary_key,
+    parse_entries,
+    stage_progress_key,
+    stage_workers_key,
+    trainer_progress_key,
+)
+
+T = TypeVar("T")
+
+
+def averaging_summary(value: Any) -> dict:
+    """A worker's averaging summary: any map (its fields are read one by one, each checked)."""
+    if not isinstance(value, dict):
+        raise RecordRejected("an averaging summary must be a map")
+    return dict(value)
+
+
+class StatusReader:
+    """A light DHT member of the swarm that reads what the nodes publish."""
+
+    def __init__(self, run, seed_address: str):
+        self.run = run
+        self.node = DhtNode(key=NodeKey.generate(), config=run.dht, bootstrap=[seed_address])
+        self._last: tuple[float, int] | None = None
+
+    async def __aenter__(self) -> StatusReader:
+        await self.node.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.node.stop()
+
+    async def _values(self, key: str, parse: Callable[[Any], T]) -> list[T]:
+        """The entries under ``key`` that ``parse`` accepts; none while the DHT does not answer."""
+        try:
+            values = await self.node.get(key)
+        except (AgoraError, TimeoutError):
+            return []
+        return parse_entries(values, parse)
+
+    async def snapshot(self) -> dict:
+        name, stages = self.run.name, self.run.model.n_stages
+        workers, steps, averaging = [], [], []
+        for stage in range(stages):
+            announced = await self._values(stage_workers_key(name, stage), WorkerAnnouncement.from_value)
+            workers.append(len(announced))
+            progress = await self._values(stage_progress_key(name, stage), StageProgress.from_value)
+            steps.append(max((p.step for p in progress), default=0))
+            summaries = await self._values(averaging_summary_key(name, stage), averaging_summary)
+            averaging.extend(s.get("averaging_success") for s in summaries)
+        trainers = await self._values(trainer_progress_key(name), TrainerProgress.from_value)
+        tokens = sum(t.tokens for t in trainers)
+        now = time.monotonic()
+        rate = None
+        if self._last is not None and now > self._last[0]:
+            rate = (tokens - self._last[1]) / (now - self._last[0])
+        self._last = (now, tokens)
+        losses = [t.loss_ema for t in trainers if t.loss_ema is not None]
+        averaged = [a for a in averaging if isinstance(a, (int, float))]
+        return {
+            "steps": steps,
+            "workers": workers,
+            "samples": sum(t.samples for t in trainers),
+            "loss": sum(losses) / len(losses) if losses else None,
+            "tokens_per_s": rate,
+            "averaging_success": sum(averaged) / len(averaged) if averaged else None,
+        }
+
+
+def format_status(s: dict, elapsed: float) -> str:
+    loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
+    rate = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}"
+    avg = "-" if s["averaging_success"] is None else f"{s['averaging_success']:.2f}"
+    return (
+        f"[{elapsed:6.0f} s] step/stage {s['steps']}  loss {loss}  tokens/s {rate}  "
+        f"samples {s['samples']}  workers/stage {s['workers']}  averaging {avg}"
+    )
+
+
+async def watch(
+    run,
+    seed_address: str,
+    trainers: list[subprocess.Popen],
+    started: float,
+    duration: float | None,
+    interval: float,
+) -> None:
+    """A status line every ``interval`` s until the trainers exit or ``duration`` s pass."""
+    async with StatusReader(run, seed_address) as reader:
+        while True:
+            deadline = time.monotonic() + interval
+            while time.monotonic() < deadline:
+                if all(p.poll() is not None for p in trainers):
+                    click.echo(format_status(await reader.snapshot(), time.monotonic() - started))
+                    click.echo("trainers finished")
+                    return
+                if duration is not None and time.monotonic() - started > duration:
+                    click.echo(f"--duration {duration:g} s reached")
+                    return
+                await asyncio.sleep(0.2)
+            click.echo(format_status(await reader.snapshot(), time.monotonic() - started))
+
+
+def summarize(run_dir: Path, started: float, seq_len: int) -> None:
+    """The run's loss, first samples against last, and its throughput, from the loss logs."""
+    records = []
+    for path in sorted(run_dir.glob("trainer-*.losses.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                record = json.loads(line)
+                records.append((record["t"], record["loss"]))
+    records.sort()
+    losses = [loss for _, loss in records]
+    if not losses:
+        click.echo("no samples completed")
+        return
+    window = max(1, min(64, len(losses) // 4))
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
+    click.echo(
+        f"done in {time.monotonic() - started:.0f} s: {len(losses)} samples, "
+        f"loss {first:.3f} (first {window}) -> {last:.3f} (last {window})"
+    )
+    if len(records) > 1 and records[-1][0] > records[0][0]:
+        rate = (len(records) - 1) / (records[-1][0] - records[0][0])
+        click.echo(f"training throughput: {rate:.1f} samples/s, {rate * seq_len:.0f} tokens/s")

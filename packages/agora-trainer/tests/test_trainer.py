@@ -1,17 +1,20 @@
 """A trainer against real worker processes on 127.0.0.1 (surrogate stages).
 
-One swarm for the module, living through a run's life in order: samples complete through
-three stages; the faster of two workers in a stage does about three times the work; every
-backward goes to its forward's worker; workers die during forwards and during backwards and
-no sample is lost; a new worker starts receiving work. Then, separately: a trainer restarted
-on the same shards neither repeats nor skips a sample.
+Samples complete through three stages; the faster of two workers in a stage gets clearly
+more of the work; every backward goes to its forward's worker; a trainer restarted on the same
+shards neither repeats nor skips a sample. These share one swarm of workers they never harm:
+each runs its own trainer and reads the workers' counters before and after it. The test that
+kills workers mid-forward and mid-backward (and adds a newcomer) starts a swarm of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -50,6 +53,9 @@ request_timeout_s = 10.0
 """
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 FAST = dict(refresh_interval_s=0.3, progress_interval_s=0.5, ban_s=30.0)
+# (stage, surrogate delay scale). Stage 1 is the bottleneck: its workers take 50 ms and 150 ms
+# per sample (compute, not the ~ms of RPC overhead, decides their share), head and tail 10 ms.
+THREE_STAGES = [(0, 0.2), (1, 1.0), (1, 3.0), (2, 0.2)]
 
 
 @dataclass
@@ -66,7 +72,7 @@ class Swarm:
     seed: DhtNode
     config_path: str
     shards: str
-    tmp: object
+    tmp: Path
     stack: contextlib.ExitStack
     client: RpcClient
     workers: list[Member]
@@ -89,6 +95,10 @@ class Swarm:
     async def info(self, member: Member) -> dict:
         return (await self.client.call(member.address, "worker.info", timeout_s=5)).meta
 
+    async def served(self, member: Member) -> collections.Counter[str]:
+        """The samples ``member`` has computed so far, by op (forward, backward, ...)."""
+        return collections.Counter((await self.info(member))["processed_by_op"])
+
     def trainer(self, **settings) -> Trainer:
         return Trainer(
             run=load_run_config(self.config_path),
@@ -99,32 +109,44 @@ class Swarm:
         )
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def swarm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trainer")
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Read-only training data, shared by every swarm of the module."""
+    out = tmp_path_factory.mktemp("shards")
+    make_shards(out, shards=2, tokenizer=ByteTokenizer(), max_bytes=400_000)
+    return out
+
+
+@contextlib.asynccontextmanager
+async def running_swarm(tmp: Path, shards: Path, workers: list[tuple[int, float]]) -> AsyncIterator[Swarm]:
+    """A DHT seed in this process and ``workers`` (stage, delay scale), started in parallel;
+    every process is stopped when the block exits, whatever happened inside it."""
     config = tmp / "run.toml"
     config.write_text(RUN_TOML)
-    make_shards(tmp / "shards", shards=2, tokenizer=ByteTokenizer(), max_bytes=400_000)
-    run = load_run_config(config)
-    seed = DhtNode(key=NodeKey.generate(), config=run.dht)
-    await seed.start()
-    stack = contextlib.ExitStack()
-    client = RpcClient()
-    swarm = Swarm(seed, str(config), str(tmp / "shards"), tmp, stack, client, [])
-    try:
-        # Stage 1 is the bottleneck: its workers take 50 ms and 150 ms per sample (compute, not
-        # the ~ms of RPC overhead, decides their share), head and tail 10 ms.
-        await asyncio.gather(
-            swarm.add_worker(0, 0.2),
-            swarm.add_worker(1, 1.0),
-            swarm.add_worker(1, 3.0),
-            swarm.add_worker(2, 0.2),
-        )
+    async with contextlib.AsyncExitStack() as cleanup:  # on exit, each step runs even if one fails
+        seed = DhtNode(key=NodeKey.generate(), config=load_run_config(config).dht)
+        await seed.start()
+        cleanup.push_async_callback(seed.stop)
+        children = cleanup.enter_context(contextlib.ExitStack())  # stops any worker left running
+        client = RpcClient()
+        cleanup.push_async_callback(client.close)
+        swarm = Swarm(seed, str(config), str(shards), tmp, children, client, [])
+        cleanup.push_async_callback(stop_side_by_side, swarm.workers)
+        await asyncio.gather(*(swarm.add_worker(stage, scale) for stage, scale in workers))
         yield swarm
-    finally:
-        await client.close()
-        stack.close()
-        await seed.stop()
+
+
+async def stop_side_by_side(workers: list[Member]) -> None:
+    """Each worker takes a moment to leave the swarm: stop them all at once."""
+    await asyncio.gather(*(asyncio.to_thread(m.child.stop) for m in workers))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def swarm(tmp_path_factory, shards):
+    """Three stages, two workers of different speeds in stage 1. Tests only train against it:
+    none kills, adds or slows a worker, and each measures the counters its own trainer moved."""
+    async with running_swarm(tmp_path_factory.mktemp("trainer"), shards, THREE_STAGES) as swarm:
+        yield swarm
 
 
 def by_stage(swarm: Swarm, stage: int) -> list[Member]:
@@ -141,8 +163,8 @@ async def train_to_the_end(trainer: Trainer, timeout_s: float = 120):
         await trainer.close()
 
 
-async def test_a_trainer_completes_its_samples_through_three_stages(swarm):
-    trainer = swarm.trainer(lanes=8, max_samples=160, state_file=str(swarm.tmp / "run1.json"))
+async def test_a_trainer_completes_its_samples_through_three_stages(swarm, tmp_path):
+    trainer = swarm.trainer(lanes=8, max_samples=160, state_file=str(tmp_path / "run.json"))
     counters = await train_to_the_end(trainer)
     assert counters.completed == 160 and counters.dispatched == 160 and counters.in_flight == 0
     assert counters.requeued == 0 and trainer.abandoned == 0
@@ -150,67 +172,81 @@ async def test_a_trainer_completes_its_samples_through_three_stages(swarm):
     assert trainer.loss_ema is not None and trainer.loss_ema < 5.6  # ln(256) ~ 5.55 at the start
 
 
-async def test_the_faster_worker_of_a_stage_receives_about_three_times_the_samples(swarm):
+async def test_the_faster_worker_of_a_stage_receives_clearly_more_samples(swarm, tmp_path):
+    # Three times as fast; test_balancer proves the 3x share on a deterministic clock. Here,
+    # against real processes on a shared machine, only a margin no noise crosses is asserted.
     fast, slow = sorted(by_stage(swarm, 1), key=lambda m: m.delay_scale)
-    served = [(await swarm.info(w))["processed_by_kind"].get("forward", 0) for w in (fast, slow)]
-    assert served[1] > 0
-    assert 2.4 <= served[0] / served[1] <= 3.6, served
+    before = [(await swarm.served(w))["forward"] for w in (fast, slow)]
+    trainer = swarm.trainer(lanes=8, max_samples=160, state_file=str(tmp_path / "run.json"))
+    await train_to_the_end(trainer)
+    after = [(await swarm.served(w))["forward"] for w in (fast, slow)]
+    to_fast, to_slow = after[0] - before[0], after[1] - before[1]
+    assert to_fast + to_slow >= 160  # every sample went through one of them (a retry: twice)
+    assert to_slow > 0, (to_fast, to_slow)  # the slow one is used, not starved
+    assert to_fast >= 1.5 * to_slow, (to_fast, to_slow)
 
 
-async def test_every_backward_went_to_the_worker_that_ran_its_forward(swarm):
-    for member in by_stage(swarm, 0) + by_stage(swarm, 1):
-        done = (await swarm.info(member))["processed_by_kind"]
-        assert done.get("forward", 0) == done.get("backward", 0) > 0, (member.stage, done)
+async def test_every_backward_goes_to_the_worker_that_ran_its_forward(swarm, tmp_path):
+    members = by_stage(swarm, 0) + by_stage(swarm, 1)
+    before = [await swarm.served(m) for m in members]
+    trainer = swarm.trainer(lanes=8, max_samples=80, state_file=str(tmp_path / "run.json"))
+    counters = await train_to_the_end(trainer)
+    assert counters.completed == 80 and counters.retries == 0  # no fallback could blur the check
+    for member, was in zip(members, before, strict=True):
+        done = await swarm.served(member)
+        forwards, backwards = done["forward"] - was["forward"], done["backward"] - was["backward"]
+        assert forwards == backwards > 0, (member.stage, member.delay_scale, forwards, backwards)
 
 
 def lane_busy_with(trainer: Trainer, worker: Member, method: str) -> bool:
     return any(lane.worker == worker.node_id and lane.method == method for lane in trainer.lanes)
 
 
-async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(swarm):
-    trainer = swarm.trainer(lanes=8, max_samples=240, state_file=str(swarm.tmp / "run2.json"))
-    await trainer.start()
-    training = asyncio.create_task(trainer.train())
-    try:
-        fast, slow = sorted(by_stage(swarm, 1), key=lambda m: m.delay_scale)
-        # 1. a worker dies while a lane waits on its forward
-        await wait_until_async(
-            lambda: lane_busy_with(trainer, slow, "forward"),
-            timeout_s=30,
-            what="a forward on the slow worker",
-        )
-        slow.child.kill()
-        counters = trainer.counters
-        assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
-        # 2. a newcomer joins the stage and is given work
-        newcomer = await swarm.add_worker(1)
+async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(tmp_path, shards):
+    async with running_swarm(tmp_path, shards, THREE_STAGES) as swarm:
+        trainer = swarm.trainer(lanes=8, max_samples=240, state_file=str(tmp_path / "run.json"))
+        await trainer.start()
+        training = asyncio.create_task(trainer.train())
+        try:
+            fast, slow = sorted(by_stage(swarm, 1), key=lambda m: m.delay_scale)
+            # 1. a worker dies while a lane waits on its forward
+            await wait_until_async(
+                lambda: lane_busy_with(trainer, slow, "forward"),
+                timeout_s=30,
+                what="a forward on the slow worker",
+            )
+            slow.child.kill()
+            counters = trainer.counters
+            assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
+            # 2. a newcomer joins the stage and is given work
+            newcomer = await swarm.add_worker(1)
 
-        async def newcomer_has_work() -> bool:
-            return (await swarm.info(newcomer))["processed"] > 0
+            async def newcomer_has_work() -> bool:
+                return (await swarm.info(newcomer))["processed"] > 0
 
-        await poll_until(newcomer_has_work, timeout_s=30, what="the newcomer to get work")
-        # 3. a worker dies while a lane waits on its backward
-        await wait_until_async(
-            lambda: lane_busy_with(trainer, fast, "backward"),
-            timeout_s=30,
-            what="a backward on the fast worker",
-        )
-        fast.child.kill()
-        assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
-        async with asyncio.timeout(120):
-            await training
-    finally:
-        training.cancel()
-        await asyncio.gather(training, return_exceptions=True)
-        await trainer.close()
+            await poll_until(newcomer_has_work, timeout_s=30, what="the newcomer to get work")
+            # 3. a worker dies while a lane waits on its backward
+            await wait_until_async(
+                lambda: lane_busy_with(trainer, fast, "backward"),
+                timeout_s=30,
+                what="a backward on the fast worker",
+            )
+            fast.child.kill()
+            assert counters.completed + counters.in_flight + counters.requeued == counters.dispatched
+            async with asyncio.timeout(120):
+                await training
+        finally:
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            await trainer.close()
     assert counters.completed == counters.dispatched == 240 and counters.in_flight == 0
     assert counters.requeued == 0 and trainer.abandoned == 0  # retried, never dropped
     assert counters.retries >= 1 and counters.fallbacks >= 1  # a backward lost its forward's worker
     assert len(set(trainer.completed_ids)) == 240
 
 
-async def test_a_restarted_trainer_resumes_without_repeating_or_skipping(swarm):
-    state = str(swarm.tmp / "resume.json")
+async def test_a_restarted_trainer_resumes_without_repeating_or_skipping(swarm, tmp_path):
+    state = str(tmp_path / "resume.json")
     first = swarm.trainer(lanes=4, max_samples=40, state_file=state)
     await train_to_the_end(first, timeout_s=60)
     second = swarm.trainer(lanes=4, max_samples=40, state_file=state)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from agora_core.schema import WorkerAnnouncement
@@ -37,6 +39,36 @@ def test_work_is_shared_in_proportion_to_measured_speed():
     balancer.update([announce("fast"), announce("slow")])
     counts = simulate(balancer, {"fast": 0.01, "slow": 0.03}, 4000)
     assert counts["fast"] / counts["slow"] == pytest.approx(3.0, rel=0.05)
+
+
+def simulate_lanes(
+    balancer: StageBalancer, seconds_per_sample: dict[str, float], *, lanes: int, waves: int
+) -> dict[str, int]:
+    """On a virtual clock, ``lanes`` calls in flight at once, in waves. Each worker merges the
+    calls it got in a wave into one batch (as the worker runtime coalesces its queue), which
+    takes its time per sample times the batch size; every call in it completes with it."""
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(waves):
+        calls = []
+        for _ in range(lanes):
+            ref = balancer.choose()
+            calls.append((ref.node_id, balancer.begin(ref)))
+        batch = collections.Counter(node_id for node_id, _ in calls)
+        for node_id, token in calls:
+            balancer.complete(token, 1, seconds_per_sample[node_id] * batch[node_id])
+        counts.update(batch)
+    return counts
+
+
+def test_concurrent_lanes_share_work_in_proportion_to_speed():
+    # The trainer's case (8 lanes, stage 1 workers at 50 and 150 ms per sample), exactly.
+    balancer = StageBalancer(1)
+    balancer.update([announce("fast"), announce("slow")])
+    counts = simulate_lanes(balancer, {"fast": 0.05, "slow": 0.15}, lanes=8, waves=500)
+    assert counts["fast"] + counts["slow"] == 4000
+    assert counts["fast"] / counts["slow"] == pytest.approx(3.0, rel=0.01)
+    throughput = {node_id: s["throughput"] for node_id, s in balancer.stats().items()}
+    assert throughput == pytest.approx({"fast": 20.0, "slow": 20.0 / 3})  # samples/s, not per call
 
 
 def test_throughput_counts_the_calls_a_worker_serves_at_once():

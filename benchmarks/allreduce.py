@@ -38,7 +38,7 @@ import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.allocator import tune_for_large_messages
-from agora_core.config.run import AveragingConfig
+from agora_core.config.run import TransportConfig
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.testing import ChildProcess, spawn_python
@@ -64,7 +64,7 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
     server = RpcServer(listen="127.0.0.1:0", link=link)
     client = RpcClient(link=link)
-    board = ReductionBoard(server, early_wait_s=60.0, window=AveragingConfig().window_chunks)
+    board = ReductionBoard(server, early_wait_s=60.0, window=TransportConfig().stream_window)
     print(f"ADDRESS {await server.start()}", flush=True)
     values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
     loop = asyncio.get_running_loop()
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--chunk-bytes",
         type=int,
-        default=AveragingConfig().chunk_bytes,
+        default=TransportConfig().chunk_bytes,
         help="averaging chunk size (default: the run config's)",
     )
     parser.add_argument("--serve", choices=["agora", "gloo"], help=argparse.SUPPRESS)

@@ -1,8 +1,10 @@
-"""The DHT as a swarm: 32 nodes in this process and 6 as their own OS processes, on 127.0.0.1.
+"""The DHT as a swarm: in-process nodes and nodes in their own OS processes, on 127.0.0.1.
 
-The tests run in order against one swarm, as a run's DHT lives through its life: it forms,
-serves reads and writes from anywhere, survives a node that stalls, loses a quarter of its
-nodes at once, takes in newcomers, and sees a crashed node come back.
+Read-only tests share one swarm of 32 nodes in this process and 6 processes, formed and
+converged before any test sees it: reads and writes from anywhere, watches, owned subkeys,
+expiry and deletes, a node that stalls and comes back. Tests that kill nodes or add them start
+a swarm of their own: a quarter of the nodes dies at once, newcomers take over their share of
+the keys, a crashed node comes back.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import random
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -58,8 +62,8 @@ class Swarm:
     tmp: object
     stack: contextlib.ExitStack
     run: object = None
-    churn_keys: list[str] = field(default_factory=list)
     created: list[DhtNode] = field(default_factory=list)  # every node ever started, for teardown
+    spawned: list[Remote] = field(default_factory=list)  # every process ever started, likewise
 
     async def new_node(
         self, bootstrap: list[str], key: NodeKey | None = None, listen="127.0.0.1:0"
@@ -97,7 +101,9 @@ class Swarm:
         # Read in a thread: the in-process nodes must keep serving the newcomer's join.
         node_id = await asyncio.to_thread(child.read_until, "agora dht node ")
         address = await asyncio.to_thread(child.read_until, "  serving    ")
-        return Remote(child, node_id, address, key_file)
+        remote = Remote(child, node_id, address, key_file)
+        self.spawned.append(remote)
+        return remote
 
     async def views(self) -> dict[str, set[str]]:
         """Each live node's view: the ids it holds alive or suspect."""
@@ -110,46 +116,53 @@ class Swarm:
     def live_ids(self) -> set[str]:
         return {n.node_id for n in self.nodes} | {r.node_id for r in self.remotes}
 
+    async def agree(self) -> bool:
+        """Every live node's view is exactly the live nodes."""
+        expected = self.live_ids()
+        return all(view == expected for view in (await self.views()).values())
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def swarm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dht")
+    async def stop_all(self) -> None:
+        """Stop every node and process this swarm ever started (the in-process ones bounded)."""
+        stops = asyncio.gather(*(node.stop(leave=False) for node in self.created), return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stops, 30)
+        await asyncio.gather(*(asyncio.to_thread(r.child.stop) for r in self.spawned))
+
+
+@contextlib.asynccontextmanager
+async def running_swarm(tmp: Path, *, in_process: int, processes: int) -> AsyncIterator[Swarm]:
+    """``in_process`` nodes here and ``processes`` OS processes, yielded once every view holds
+    every node; all of them are stopped when the block exits, whatever happened inside it."""
     config_path = tmp / "fast.toml"
     config_path.write_text(FAST_DHT)
-    run = load_run_config(config_path)
-    stack = contextlib.ExitStack()
-    client = RpcClient()
-    swarm = Swarm(str(config_path), [], [], client, tmp, stack, run)
-    try:
+    async with contextlib.AsyncExitStack() as cleanup:  # on exit, each step runs even if one fails
+        client = RpcClient()
+        cleanup.push_async_callback(client.close)
+        children = cleanup.enter_context(contextlib.ExitStack())
+        swarm = Swarm(str(config_path), [], [], client, tmp, children, load_run_config(config_path))
+        cleanup.push_async_callback(swarm.stop_all)
         swarm.nodes.append(await swarm.new_node([]))
-        for _ in range(IN_PROCESS - 1):
+        for _ in range(in_process - 1):
             swarm.nodes.append(await swarm.new_node([swarm.seed.address]))
         swarm.remotes = list(
             await asyncio.gather(
                 *(
                     swarm.spawn_remote(str(tmp / f"remote{i}.key"), swarm.nodes[i % 4].address)
-                    for i in range(PROCESSES)
+                    for i in range(processes)
                 )
             )
         )
+        await wait_for_async(swarm.agree, timeout_s=30, what="one membership view")
         yield swarm
-    finally:
-        stops = asyncio.gather(*(node.stop(leave=False) for node in swarm.created), return_exceptions=True)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stops, 30)
-        await client.close()
-        stack.close()
 
 
-async def test_all_38_nodes_converge_to_one_membership_view(swarm):
-    expected = swarm.live_ids()
-    assert len(expected) == IN_PROCESS + PROCESSES
-
-    async def converged():
-        views = await swarm.views()
-        return all(view == expected for view in views.values())
-
-    await wait_for_async(converged, timeout_s=30, what="one membership view")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def swarm(tmp_path_factory):
+    """The shared swarm: tests may read, write and pause a node, never kill or add one."""
+    async with running_swarm(
+        tmp_path_factory.mktemp("dht"), in_process=IN_PROCESS, processes=PROCESSES
+    ) as swarm:
+        yield swarm
 
 
 async def wait_for_async(check, *, timeout_s: float, what: str):
@@ -159,6 +172,12 @@ async def wait_for_async(check, *, timeout_s: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(PERIOD_S / 3)
+
+
+async def test_all_38_nodes_hold_one_membership_view(swarm):
+    views = await swarm.views()
+    assert len(views) == len(swarm.live_ids()) == IN_PROCESS + PROCESSES
+    assert all(view == swarm.live_ids() for view in views.values())
 
 
 async def test_a_value_stored_via_any_node_is_read_via_any_other(swarm):
@@ -265,85 +284,81 @@ async def test_a_stalled_node_is_suspected_but_refutes_and_is_not_removed(swarm)
     assert sum(node.table.deaths for node in swarm.nodes) == deaths  # suspected, never declared dead
 
 
-async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_surviving_replica(swarm):
-    expiration = time.time() + 600
-    keys = [f"churn/{i}" for i in range(120)]
-    await asyncio.gather(*(swarm.nodes[i % 8].store(key, "v", key, expiration) for i, key in enumerate(keys)))
-    replicas_before = {key: {m.node_id for m in swarm.seed.replicas(key)} for key in keys}
+async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_surviving_replica(tmp_path):
+    async with running_swarm(tmp_path, in_process=16, processes=4) as swarm:
+        expiration = time.time() + 600
+        keys = [f"churn/{i}" for i in range(120)]
+        await asyncio.gather(
+            *(swarm.nodes[i % 8].store(key, "v", key, expiration) for i, key in enumerate(keys))
+        )
+        replicas_before = {key: {m.node_id for m in swarm.seed.replicas(key)} for key in keys}
 
-    victims = swarm.nodes[-8:]  # 8 in-process + 2 processes = 10 of 38
-    dead_remotes = swarm.remotes[-2:]
-    for node in victims:
-        await node.stop(leave=False)  # abrupt: no goodbye
-    for remote in dead_remotes:
-        remote.child.kill()
-    swarm.nodes = swarm.nodes[:-8]
-    swarm.remotes = swarm.remotes[:-2]
-    dead = {n.node_id for n in victims} | {r.node_id for r in dead_remotes}
-    survivors = {key for key, ids in replicas_before.items() if ids - dead}
-    assert len(survivors) >= 0.8 * len(keys)  # R=3 of 38: few keys lose every replica
+        victims = swarm.nodes[-4:]  # 4 in-process + 1 process = 5 of 20
+        dead_remotes = swarm.remotes[-1:]
+        for node in victims:
+            await node.stop(leave=False)  # abrupt: no goodbye
+        for remote in dead_remotes:
+            remote.child.kill()
+        swarm.nodes = swarm.nodes[:-4]
+        swarm.remotes = swarm.remotes[:-1]
+        dead = {n.node_id for n in victims} | {r.node_id for r in dead_remotes}
+        survivors = {key for key, ids in replicas_before.items() if ids - dead}
+        assert len(survivors) >= 0.8 * len(keys)  # R=3 of 20: few keys lose every replica
 
-    async def all_readable():
-        reader = swarm.nodes[3]
-        found = await reader.get_many(sorted(survivors))
-        return all(found[key].get("v") is not None for key in survivors)
+        async def all_readable():
+            found = await swarm.nodes[3].get_many(sorted(survivors))
+            return all(found[key].get("v") is not None for key in survivors)
 
-    await wait_for_async(all_readable, timeout_s=30, what="every surviving record to be readable")
+        await wait_for_async(all_readable, timeout_s=30, what="every surviving record to be readable")
+        await wait_for_async(swarm.agree, timeout_s=30, what="the dead to leave every view")
 
-    expected = swarm.live_ids()
+        async def replicated_again():  # anti-entropy restored R copies on the new replica sets
+            for key in sorted(survivors)[:30]:
+                for member in swarm.seed.replicas(key):
+                    node = next((n for n in swarm.nodes if n.node_id == member.node_id), None)
+                    if node is not None and not node.records.get(key, now=time.time()):
+                        return False
+            return True
 
-    async def dead_removed_everywhere():
-        views = await swarm.views()
-        return all(view == expected for view in views.values())
-
-    await wait_for_async(dead_removed_everywhere, timeout_s=30, what="the dead to leave every view")
-
-    async def replicated_again():  # anti-entropy restored R copies on the new replica sets
-        for key in sorted(survivors)[:30]:
-            for member in swarm.seed.replicas(key):
-                node = next((n for n in swarm.nodes if n.node_id == member.node_id), None)
-                if node is not None and not node.records.get(key, now=time.time()):
-                    return False
-        return True
-
-    await wait_for_async(replicated_again, timeout_s=30, what="records on their new replicas")
-    swarm.churn_keys = sorted(survivors)
+        await wait_for_async(replicated_again, timeout_s=30, what="records on their new replicas")
 
 
-async def test_new_nodes_take_over_their_share(swarm):
-    newcomers = [await swarm.new_node([swarm.nodes[1].address]) for _ in range(4)]
-    swarm.nodes.extend(newcomers)
-    keys = swarm.churn_keys
+async def test_new_nodes_take_over_their_share(tmp_path):
+    async with running_swarm(tmp_path, in_process=12, processes=0) as swarm:
+        expiration = time.time() + 600
+        keys = [f"share/{i}" for i in range(60)]
+        stored = await asyncio.gather(
+            *(swarm.nodes[i % 6].store(key, "v", key, expiration) for i, key in enumerate(keys))
+        )
+        assert min(stored) >= 1
+        newcomers = [await swarm.new_node([swarm.nodes[1].address]) for _ in range(4)]
+        swarm.nodes.extend(newcomers)
 
-    def share(node: DhtNode) -> list[str]:  # the keys a node is now a replica of
-        return [k for k in keys if node.node_id in {m.node_id for m in swarm.seed.replicas(k)}]
+        def share(node: DhtNode) -> list[str]:  # the keys a node is now a replica of
+            return [k for k in keys if node.node_id in {m.node_id for m in swarm.seed.replicas(k)}]
 
-    async def held():
-        if any(len(n.members()) != len(swarm.live_ids()) for n in swarm.nodes):
-            return False  # the swarm does not agree on who is in it yet
-        return all(n.records.get(k, now=time.time()) for n in newcomers for k in share(n))
+        async def held():
+            if any(len(n.members()) != len(swarm.live_ids()) for n in swarm.nodes):
+                return False  # the swarm does not agree on who is in it yet
+            return all(n.records.get(k, now=time.time()) for n in newcomers for k in share(n))
 
-    await wait_for_async(held, timeout_s=30, what="newcomers to hold their keys")
-    assert sum(len(share(n)) for n in newcomers) > 0  # they did take over something
+        await wait_for_async(held, timeout_s=30, what="newcomers to hold their keys")
+        assert sum(len(share(n)) for n in newcomers) > 0  # they did take over something
 
 
-async def test_a_restarted_node_rejoins(swarm):
-    victim = swarm.nodes[10]
-    key, address = victim.key, victim.address.removeprefix("tcp://")
-    old_incarnation = victim.table.me.incarnation
-    await victim.stop(leave=False)
-    swarm.nodes.remove(victim)
+async def test_a_restarted_node_rejoins(tmp_path):
+    async with running_swarm(tmp_path, in_process=10, processes=2) as swarm:
+        victim = swarm.nodes[-1]
+        key, address = victim.key, victim.address.removeprefix("tcp://")
+        old_incarnation = victim.table.me.incarnation
+        await victim.stop(leave=False)
+        swarm.nodes.remove(victim)
 
-    async def gone():
-        return all(key.node_id not in view for view in (await swarm.views()).values())
+        async def gone():
+            return all(key.node_id not in view for view in (await swarm.views()).values())
 
-    await wait_for_async(gone, timeout_s=30, what="the crash to be noticed")
-    reborn = await swarm.new_node([swarm.nodes[0].address], key=key, listen=address)
-    swarm.nodes.append(reborn)
-    assert reborn.table.me.incarnation > old_incarnation
-    expected = swarm.live_ids()
-
-    async def back():
-        return all(view == expected for view in (await swarm.views()).values())
-
-    await wait_for_async(back, timeout_s=30, what="the restarted node in every view")
+        await wait_for_async(gone, timeout_s=30, what="the crash to be noticed")
+        reborn = await swarm.new_node([swarm.nodes[0].address], key=key, listen=address)
+        swarm.nodes.append(reborn)
+        assert reborn.table.me.incarnation > old_incarnation
+        await wait_for_async(swarm.agree, timeout_s=30, what="the restarted node in every view")

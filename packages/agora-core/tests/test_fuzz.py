@@ -1,12 +1,14 @@
 """Fuzz a live server in its own process with random, truncated and oversized messages.
 
-Afterwards it must still answer a normal request, must have counted what it rejected, and its
-memory must not have ballooned.
+It must count each message it rejects once, under the reason the wire rules give, answer with
+an error whoever it can identify, serve what is valid, and still answer normal requests; and
+its memory must not have ballooned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 
@@ -14,14 +16,28 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
+from agora_core.errors import LimitExceeded, UnsupportedProtocolVersion, WireError
 from agora_core.rpc import RpcClient
-from agora_core.testing import spawn_python
-from agora_core.wire import Kind, Message, WireConfig, encode
+from agora_core.testing import spawn_python, wait_until
+from agora_core.wire import (
+    Kind,
+    Message,
+    WireConfig,
+    WireLimits,
+    check_header,
+    decode,
+    decode_tensors,
+    encode,
+    peek_request_id,
+    unpack_header,
+)
 
 MAX_MESSAGE_BYTES = 1 << 20  # the fuzzed node's limit: 1 MiB per message
+LIMITS = WireLimits(max_message_bytes=MAX_MESSAGE_BYTES)  # all the node's limits
+ANSWERED_AT_ONCE = {"echo", "stats"}  # rpc_node's methods that reply straight away
 RPC_NODE = str(Path(__file__).parent / "rpc_node.py")
 
 json_like = st.recursive(
@@ -47,6 +63,19 @@ def valid_request(request_id: int) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
+# Header values a sender could mean: another version, kind, method, a deadline already past,
+# ids and credit at and beyond their bounds. Random values alone rarely reach these checks.
+NEAR_VALID = {
+    "v": st.lists(st.integers(0, 3), min_size=2, max_size=2),
+    "kind": st.integers(0, 7),
+    "id": st.integers(-1, 2**64 - 1),
+    "method": st.sampled_from(["echo", "stats", "", "no.such.method", "m" * 200]),
+    "deadline_s": st.floats(-10, 10),
+    "end": st.booleans(),
+    "credit": st.integers(-1, (1 << 20) + 1),
+}
+
+
 @st.composite
 def hostile_messages(draw) -> list[bytes]:
     """Garbage, or a valid request with its header or frames damaged."""
@@ -56,13 +85,12 @@ def hostile_messages(draw) -> list[bytes]:
     frames = valid_request(draw(st.integers(0, 2**63 - 1)))
     header = msgpack.unpackb(frames[0])
     if choice == "header_field":
-        header[
-            draw(
-                st.sampled_from(
-                    ["v", "kind", "id", "method", "deadline_s", "tensors", "meta", "end", "credit", "x"]
-                )
+        name = draw(
+            st.sampled_from(
+                ["v", "kind", "id", "method", "deadline_s", "tensors", "meta", "end", "credit", "x"]
             )
-        ] = draw(json_like)
+        )
+        header[name] = draw(json_like | NEAR_VALID.get(name, st.nothing()))
         return [msgpack.packb(header), *frames[1:]]
     if choice == "descriptor_field":
         descriptor = header["tensors"][draw(st.integers(0, 1))]
@@ -111,15 +139,153 @@ def drain(dealer: zmq.Socket) -> int:
     return count
 
 
+class Peer:
+    """A raw DEALER connection to the node: sends any frames, picks replies by request id."""
+
+    def __init__(self, address: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reply(self, request_id: int, *, timeout_s: float = 10.0) -> Message:
+        """The next reply to ``request_id`` (replies to anything else are passed over)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self.sock.poll(remaining_ms):
+                raise TimeoutError(f"no reply to request {request_id} in {timeout_s:g} s")
+            message = decode(self.sock.recv_multipart(), LIMITS)
+            if message.request_id == request_id:
+                return message
+
+    def call(self, method: str, meta=None, tensors=None) -> Message:
+        """A normal request; its successful reply."""
+        rid = next(self._ids)
+        request = Message(
+            kind=Kind.REQUEST,
+            method=method,
+            request_id=rid,
+            deadline_s=10.0,
+            meta=meta,
+            tensors=tensors or {},
+        )
+        self.sock.send_multipart(encode(request, WireConfig()))
+        reply = self.reply(rid)
+        assert reply.kind == Kind.RESPONSE, (method, reply.error_code, reply.error_message)
+        return reply
+
+    def rejected(self) -> dict[str, float]:
+        """The node's rejection counters, by reason."""
+        return self.call("stats").meta["rejected"]
+
+
+def rejection_reason(error: WireError) -> str:
+    """The reason a node counts a message under when the wire rules refuse it."""
+    if isinstance(error, LimitExceeded):
+        return "limit"
+    if isinstance(error, UnsupportedProtocolVersion):
+        return "version"
+    return "malformed"
+
+
+def expected_outcome(frames: list[bytes]) -> tuple[str | None, int | None]:
+    """What the node must do with ``frames``, sent while nothing else is in flight: the reason
+    it rejects them under (None: it serves them), and the request id of its reply (None: it
+    has nobody to answer)."""
+    try:
+        header = unpack_header(frames[0], LIMITS)
+    except WireError as exc:
+        return rejection_reason(exc), None
+    try:
+        message = check_header(header, LIMITS)
+    except WireError as exc:
+        return rejection_reason(exc), peek_request_id(header)
+    rid = message.request_id
+    if message.kind != Kind.REQUEST:
+        return "late", None  # a reply, stream item, credit or cancel for no running call
+    if message.method not in ANSWERED_AT_ONCE:
+        assume(message.method not in ("hang", "sink"))  # served, but not answered at once
+        return "unknown_method", rid
+    if message.deadline_s is not None and message.deadline_s <= 0:
+        return "expired", rid
+    try:
+        decode_tensors(header, frames[1:], LIMITS)
+    except WireError as exc:
+        return rejection_reason(exc), rid
+    return None, rid
+
+
+@pytest.fixture
+def peers(fuzz_target):
+    """This test's own connections: one sends the hostile messages, one reads the counters."""
+    hostile, control = Peer(fuzz_target[0]), Peer(fuzz_target[0])
+    try:
+        yield hostile, control
+    finally:
+        hostile.close()
+        control.close()
+
+
+def damaged(request_id: int = 7, **fields) -> list[bytes]:
+    """A valid request with these header fields replaced."""
+    frames = valid_request(request_id)
+    header = {**msgpack.unpackb(frames[0]), **fields}
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def declaring_a_huge_tensor() -> list[bytes]:
+    frames = valid_request(8)
+    header = msgpack.unpackb(frames[0])
+    header["tensors"][0]["shape"] = [1 << 30]
+    return [msgpack.packb(header), *frames[1:]]
+
+
+# Every outcome, whatever hypothesis draws: served, then rejected for each reason.
+EVERY_OUTCOME = [
+    damaged(),
+    [b"\xc1"],  # not msgpack: malformed, with no id to answer
+    damaged(id=-1),  # malformed, no id to answer
+    damaged(end="yes"),  # malformed, answered
+    damaged(v=[9, 0]),  # version
+    declaring_a_huge_tensor(),  # limit
+    damaged(kind=int(Kind.CANCEL)),  # late: cancels no running call
+    damaged(method="no.such.method"),  # unknown_method
+    damaged(deadline_s=-1.0),  # expired
+]
+
+
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(hostile_messages(), min_size=1, max_size=5))
-def test_hostile_messages_are_rejected_and_counted(fuzz_target, batch):
-    _address, dealer, _baseline = fuzz_target
+@example(batch=EVERY_OUTCOME)
+def test_hostile_messages_are_rejected_and_counted(peers, batch):
+    hostile, control = peers
     for frames in batch:
-        if frames:
-            dealer.send_multipart(frames)
-    drain(dealer)
+        if not frames:
+            continue  # zmq sends no message of zero frames
+        reason, rid = expected_outcome(frames)
+        event(f"{reason or 'served'}, {'answered' if rid is not None else 'not answered'}")
+        before = control.rejected()
+        hostile.sock.send_multipart(frames)  # one at a time: never two of ours in flight
+        if rid is not None:  # answered: with an error when rejected, else by the handler
+            reply = hostile.reply(rid)
+            assert reply.kind in ((Kind.ERROR,) if reason else (Kind.RESPONSE, Kind.ERROR)), reason
+        elif reason is not None:  # dropped without a word: wait until the node has counted it
+            wait_until(
+                lambda before=before: control.rejected() != before,
+                timeout_s=10,
+                what=f"a {reason!r} rejection",
+            )
+        expected = dict(before)
+        if reason is not None:
+            expected[reason] = expected.get(reason, 0) + 1
+        assert control.rejected() == expected, (reason, frames[:1])
+    reply = control.call("echo", "still serving", {"v": np.arange(10.0)})
+    assert reply.meta == "still serving" and reply.tensors["v"].tolist() == list(np.arange(10.0))
 
 
 @pytest.mark.slow

@@ -117,8 +117,9 @@ def run_tests(extra: list[str]) -> int:
         if subprocess.run([str(PYTHON), "-m", "ruff", *lint], cwd=ROOT).returncode != 0:
             _say("lint failed: run .venv/bin/ruff check --fix . && .venv/bin/ruff format .")
             return 1
-    _say("running the test suite")
-    result = subprocess.run([str(PYTHON), "-m", "pytest", *extra], cwd=ROOT)
+    _say("running the test suite (in random order: pytest-randomly prints the seed to rerun it with)")
+    # --durations: the slowest tests are named in every run, so creeping test time is seen early
+    result = subprocess.run([str(PYTHON), "-m", "pytest", "--durations=15", *extra], cwd=ROOT)
     if result.returncode == 5:
         _say("pytest collected no tests: that is a failure")
     return result.returncode

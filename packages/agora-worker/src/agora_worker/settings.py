@@ -15,7 +15,6 @@ CPU_BATCH_SAMPLES = 32
 @dataclass(kw_only=True, frozen=True)
 class WorkerSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    host_memory_limit_bytes: int | None = None  # self-terminate above this RSS
     # Largest coalesced microbatch; None sizes it from the device's memory.
     max_batch_samples: int | None = None
     max_batch_tokens: int | None = None  # default: max_batch_samples * seq_len
@@ -30,11 +29,6 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         require(self.phase in set(Phase), "phase", f"must be one of {', '.join(Phase)}")
         object.__setattr__(self, "phase", Phase(self.phase))  # a name given as a string
-        require(
-            self.host_memory_limit_bytes is None or self.host_memory_limit_bytes > 0,
-            "host_memory_limit_bytes",
-            "must be positive",
-        )
         require(
             self.max_batch_samples is None or self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1"
         )

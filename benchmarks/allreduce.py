@@ -39,8 +39,10 @@ import numpy as np
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.allocator import tune_for_large_messages
 from agora_core.config.run import TransportConfig
+from agora_core.contract import Phase
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
+from agora_core.run_node import rpc_config
 from agora_core.testing import ChildProcess, spawn_python
 from agora_worker.averaging.allreduce import all_reduce
 from agora_worker.averaging.board import ReductionBoard
@@ -62,9 +64,10 @@ START_LEAD_S = 0.2  # a round starts this long after its commands go out, on eve
 async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec: str | None) -> None:
     tune_for_large_messages()  # as `agora-worker run` does at start
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
-    server = RpcServer(listen="127.0.0.1:0", link=link)
-    client = RpcClient(link=link)
-    board = ReductionBoard(server, early_wait_s=60.0, window=TransportConfig().stream_window)
+    rpc = rpc_config(TransportConfig(chunk_bytes=chunk_bytes))  # as a worker's node builds it
+    server = RpcServer(listen="127.0.0.1:0", config=rpc, link=link)
+    client = RpcClient(config=rpc, link=link)
+    board = ReductionBoard(server, early_wait_s=60.0)
     print(f"ADDRESS {await server.start()}", flush=True)
     values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
     loop = asyncio.get_running_loop()
@@ -79,7 +82,7 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
                     address=a,
                     weight=1.0,
                     reducer=i in command["reducers"],
-                    phase="serving",
+                    phase=Phase.SERVING,
                 )
                 for i, a in enumerate(command["addresses"])
             ),

@@ -22,6 +22,7 @@ import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import RunConfig, parse_run_config
+from agora_core.contract import Method, Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
@@ -70,9 +71,9 @@ async def serve_workers(stages: int) -> None:
             return Payload(tensors={"loss": np.zeros(b, np.float32), "grad": np.zeros((b, t, k), np.float32)})
 
         for method, handler in (
-            ("forward", forward),
-            ("backward", backward),
-            ("forward_backward", forward_backward),
+            (Method.FORWARD, forward),
+            (Method.BACKWARD, backward),
+            (Method.FORWARD_BACKWARD, forward_backward),
         ):
             server.register(method, handler)
         key = NodeKey.generate()
@@ -84,7 +85,7 @@ async def serve_workers(stages: int) -> None:
             node_id=key.node_id,
             address=address,
             stage=stage,
-            phase="serving",
+            phase=Phase.SERVING,
             throughput=1000.0,
             load=0,
             max_batch=64,

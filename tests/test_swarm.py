@@ -156,9 +156,9 @@ class Swarm:
                 return bool(seed["address"])
 
             self.while_running(seed_known, what="the DHT seed's address in swarm.json")
-            dht = BlockingDht(key=NodeKey.generate(), config=self.run.dht, bootstrap=[seed["address"]])
-            dht.start()
-            self._dht = dht
+            # Kept before it starts: a join that fails is still stopped (its thread, its socket).
+            self._dht = BlockingDht(key=NodeKey.generate(), config=self.run.dht, bootstrap=[seed["address"]])
+            self._dht.start()
         return self._dht
 
     def averaging_reports(self, stage: int) -> list[dict]:
@@ -266,7 +266,7 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     swarm.while_running(lambda: len(swarm.losses()) >= at_kill + 150, what="training on one stage-1 worker")
     assert "added worker-1-2" in swarm.command("add-worker", "1", timeout_s=ADD_S)
     # The arrival trains on samples and steps with the stage: once it has run backwards (its
-    # gradients accumulated), its step moves on; the next step applies what it accumulated.
+    # gradients accumulated), a later step of its own applies a gradient over samples.
     trained_at: list[int] = []
 
     def newcomer_stepped_with_samples() -> bool:
@@ -276,7 +276,8 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
         assert info["stage"] == 1
         if not trained_at and info["processed_by_op"].get("backward", 0) > 0:
             trained_at.append(info["step"])
-        return bool(trained_at) and info["step"] > trained_at[0]
+        last = info["last_step"]
+        return bool(trained_at) and last is not None and last["step"] > trained_at[0] and last["applied"]
 
     swarm.while_running(newcomer_stepped_with_samples, what="the newcomer to step with samples it trained")
     output = swarm.wait_done()

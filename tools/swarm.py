@@ -152,6 +152,7 @@ def up(
         old_file.unlink()
     (run_dir / "data").mkdir()
     swarm = SwarmFile(str(run_dir), str(Path(config).resolve()))
+    swarm.save()  # replaces the last run's file: what `finally` stops is this run's
     started = time.monotonic()
     try:
         start_seed(swarm)
@@ -181,7 +182,6 @@ def up(
             )
             for t in range(trainers)
         ]
-        swarm.save()
         click.echo(
             f"  trainers   {trainers} started; status every {status_interval:g} s (Ctrl-C stops the swarm)"
         )
@@ -189,7 +189,7 @@ def up(
     except KeyboardInterrupt:
         click.echo("stopping the swarm ...")
     finally:
-        stop_all(SwarmFile.load(run_dir) if (run_dir / "swarm.json").exists() else swarm)
+        stop_all(SwarmFile.load(run_dir))  # kill-worker and add-worker may have changed it
     summarize(run_dir, started, run.model.seq_len)
 
 

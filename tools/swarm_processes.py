@@ -170,7 +170,7 @@ def start_trainer(
     status_interval_s: float,
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Start trainer ``index`` on the shards in ``shards`` and record it (the caller saves)."""
+    """Start trainer ``index`` on the shards in ``shards`` and record it in swarm.json."""
     run_dir = Path(swarm.run_dir)
     name = f"trainer-{index}"
     log = run_dir / "logs" / f"{name}.log"
@@ -200,6 +200,7 @@ def start_trainer(
     args += extra
     proc = spawn(args, log)
     swarm.members.append(Member("trainer", name, proc.pid, str(log)))
+    swarm.save()  # at once: if starting the next one fails, `up` still stops this one
     return proc
 
 

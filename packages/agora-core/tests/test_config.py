@@ -60,6 +60,12 @@ def test_errors_name_the_key_and_the_reason(text, key, reason):
     assert reason in str(info.value)
 
 
+def test_a_key_that_moved_names_its_new_place():
+    with pytest.raises(ConfigError) as info:
+        parse_run_config("[averaging]\nchunk_bytes = 65536\n")
+    assert info.value.key == "averaging.chunk_bytes" and "transport.chunk_bytes" in info.value.reason
+
+
 def test_files_that_are_missing_or_not_toml_get_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config(tmp_path / "missing.toml")

@@ -58,7 +58,7 @@ def test_parse_entries_skips_malformed_entries_and_keeps_the_rest():
 
 
 def test_parse_entries_lets_a_bug_in_the_parser_propagate():
-    def broken(value):
+    def broken(_value):
         raise KeyError("a bug, not a malformed entry")
 
     with pytest.raises(KeyError):
@@ -72,11 +72,20 @@ class RoleSettings:
     lanes: int = 8
 
 
-def test_role_settings_take_flags_over_environment_over_defaults():
-    env = {"AGORA_DEVICE": "cpu", "AGORA_PHASE": "optimizer_sync", "AGORA_LANES": "3"}
-    settings = resolve_settings(RoleSettings, {"lanes": 5, "device": None}, environ=env)
+def test_role_settings_take_flags_over_their_role_variables_over_defaults():
+    env = {
+        "AGORA_WORKER_DEVICE": "cpu",
+        "AGORA_WORKER_PHASE": "optimizer_sync",
+        "AGORA_WORKER_LANES": "3",
+        "AGORA_TRAINER_LANES": "99",  # another role's: not this one's
+        "AGORA_DEVICE": "cuda",  # no role: not a role setting
+    }
+    settings = resolve_settings(
+        RoleSettings, {"lanes": 5, "device": None}, prefix="AGORA_WORKER_", environ=env
+    )
     assert settings == RoleSettings(phase=Phase.OPTIMIZER_SYNC, device="cpu", lanes=5)
     assert settings.phase is Phase.OPTIMIZER_SYNC
+    assert resolve_settings(RoleSettings, prefix="AGORA_TRAINER_", environ=env).lanes == 99
     with pytest.raises(ConfigError) as info:
-        resolve_settings(RoleSettings, environ={"AGORA_PHASE": "resting"})
-    assert info.value.key == "AGORA_PHASE" and "weight_sync" in info.value.reason
+        resolve_settings(RoleSettings, prefix="AGORA_WORKER_", environ={"AGORA_WORKER_PHASE": "resting"})
+    assert info.value.key == "AGORA_WORKER_PHASE" and "weight_sync" in info.value.reason

@@ -284,6 +284,8 @@ async def test_a_stalled_node_is_suspected_but_refutes_and_is_not_removed(swarm)
     assert sum(node.table.deaths for node in swarm.nodes) == deaths  # suspected, never declared dead
 
 
+# Its own swarm (up to 60 s to start and 30 s to agree), three waits of 30 s, 30 s to stop.
+@pytest.mark.timeout(300)
 async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_surviving_replica(tmp_path):
     async with running_swarm(tmp_path, in_process=16, processes=4) as swarm:
         expiration = time.time() + 600

@@ -244,18 +244,33 @@ def declaring_a_huge_tensor() -> list[bytes]:
     return [msgpack.packb(header), *frames[1:]]
 
 
-# Every outcome, whatever hypothesis draws: served, then rejected for each reason.
-EVERY_OUTCOME = [
-    damaged(),
-    [b"\xc1"],  # not msgpack: malformed, with no id to answer
-    damaged(id=-1),  # malformed, no id to answer
-    damaged(end="yes"),  # malformed, answered
-    damaged(v=[9, 0]),  # version
-    declaring_a_huge_tensor(),  # limit
-    damaged(kind=int(Kind.CANCEL)),  # late: cancels no running call
-    damaged(method="no.such.method"),  # unknown_method
-    damaged(deadline_s=-1.0),  # expired
+# Every outcome, whatever hypothesis draws: served, then rejected for each reason, with the
+# reason the server must count (spelled here, not derived from the wire code it tests).
+OUTCOMES = [
+    (damaged(), None, True),
+    ([b"\xc1"], "malformed", False),  # not msgpack: no id to answer
+    (damaged(id=-1), "malformed", False),  # no id to answer
+    (damaged(end="yes"), "malformed", True),
+    (damaged(v=[9, 0]), "version", True),
+    (declaring_a_huge_tensor(), "limit", True),
+    (damaged(kind=int(Kind.CANCEL)), "late", False),  # cancels no running call
+    (damaged(method="no.such.method"), "unknown_method", True),
+    (damaged(deadline_s=-1.0), "expired", True),
 ]
+EVERY_OUTCOME = [frames for frames, _reason, _answered in OUTCOMES]
+
+
+@pytest.mark.parametrize(("frames", "reason", "answered"), OUTCOMES)
+def test_each_kind_of_hostile_message_is_counted_under_its_reason(peers, frames, reason, answered):
+    hostile, control = peers
+    before = control.rejected()
+    hostile.sock.send_multipart(frames)
+    if answered:
+        reply = hostile.reply(msgpack.unpackb(frames[0])["id"])
+        assert reply.kind == (Kind.ERROR if reason else Kind.RESPONSE)
+    else:
+        wait_until(lambda: control.rejected() != before, timeout_s=10, what=f"a {reason!r} rejection")
+    assert control.rejected() == ({**before, reason: before.get(reason, 0) + 1} if reason else before)
 
 
 @pytest.mark.slow

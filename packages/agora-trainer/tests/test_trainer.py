@@ -202,6 +202,9 @@ def lane_busy_with(trainer: Trainer, worker: Member, method: str) -> bool:
     return any(lane.worker == worker.node_id and lane.method == method for lane in trainer.lanes)
 
 
+# Its own swarm (4 workers, up to 30 s each to start, in parallel), a newcomer (up to 60 s),
+# three waits of 30 s and 120 s of training: more than the suite's 180 s default.
+@pytest.mark.timeout(360)
 async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(tmp_path, shards):
     async with running_swarm(tmp_path, shards, THREE_STAGES) as swarm:
         trainer = swarm.trainer(lanes=8, max_samples=240, state_file=str(tmp_path / "run.json"))

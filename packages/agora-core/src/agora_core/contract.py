@@ -1,8 +1,8 @@
 """The names the roles of a run share: RPC methods, worker phases and stage roles.
 
 Every role imports these (trainers without torch) instead of spelling the strings itself, so a
-rename is one change and a typo is an ``AttributeError`` at import, not a silent mismatch on
-the wire. DHT keys and the values stored under them live in :mod:`agora_core.schema`.
+rename is one change and a typo is an ``AttributeError`` where it runs (and a lint error
+before), not a silent mismatch on the wire. DHT keys and the values stored under them live in :mod:`agora_core.schema`.
 """
 
 from __future__ import annotations

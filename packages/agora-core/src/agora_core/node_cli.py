@@ -56,11 +56,12 @@ def load_config(path: str | None) -> RunConfig:
         fail(message if path in message else f"{path}: {message}")
 
 
-def settings_from_flags(cls: type, **flags: Any) -> Any:
-    """A role's settings dataclass from a command's flags, over ``AGORA_<FIELD>`` variables,
-    over the class defaults (flags not given are None); a rejected value exits with its error."""
+def settings_from_flags(cls: type[S], role: str, **flags: Any) -> S:
+    """A role's settings dataclass from a command's flags, over ``AGORA_<ROLE>_<FIELD>``
+    variables, over the class defaults (flags not given are None); a rejected value exits with
+    its error."""
     try:
-        return resolve_settings(cls, flags)
+        return resolve_settings(cls, flags, prefix=f"AGORA_{role.upper()}_")
     except ConfigError as exc:
         fail(str(exc))
 
@@ -77,16 +78,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def launch_role(
-    options: dict[str, Any], config_file: str | None, settings_cls: type[S]
+    role: str, options: dict[str, Any], config_file: str | None, settings_cls: type[S]
 ) -> tuple[NodeSettings, RunConfig, S]:
     """What a role's ``run`` command does first: the node settings (from the ``@node_options``
     among ``options``), the run config, the role's own settings (from the other options, named
-    as ``settings_cls``'s fields), each error exiting with its message; then
-    :func:`prepare_process`."""
+    as ``settings_cls``'s fields, and ``AGORA_<ROLE>_*`` variables), each error exiting with its
+    message; then :func:`prepare_process`."""
     flags = {name: value for name, value in options.items() if name not in NODE_OPTIONS}
     node = resolve_node(options)
     run = load_config(config_file)
-    settings = settings_from_flags(settings_cls, **flags)
+    settings = settings_from_flags(settings_cls, role, **flags)
     prepare_process(node)
     return node, run, settings
 
@@ -99,9 +100,9 @@ def prepare_process(node: NodeSettings) -> None:
     tune_for_large_messages()
 
 
-def resolve_node(options: dict[str, Any], **extra: Any) -> NodeSettings:
-    """NodeSettings from a command's node options (and ``extra`` fields such as device)."""
+def resolve_node(options: dict[str, Any]) -> NodeSettings:
+    """NodeSettings from a command's node options, over ``AGORA_*`` variables."""
     try:
-        return NodeSettings.resolve({**{name: options.get(name) for name in NODE_OPTIONS}, **extra})
+        return NodeSettings.resolve({name: options.get(name) for name in NODE_OPTIONS})
     except ConfigError as exc:
         fail(str(exc))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from agora_core.wire import WireConfig, WireLimits
 
 
-def _is_int(value: Any) -> bool:
+def exact_int(value: Any) -> bool:
     return type(value) is int  # msgpack decodes integers to exactly int; bool is not one here
 
 
@@ -168,7 +168,7 @@ def _check_descriptor(desc: Any, limits: WireLimits) -> _Layout:
         raise MalformedMessage(f"tensor {name!r}: unsupported dtype {dtype[:32]!r}") from None
     if not isinstance(shape, list) or len(shape) > limits.max_ndim:
         raise LimitExceeded(f"tensor {name!r}: shape must be a list of at most {limits.max_ndim} dims")
-    if not all(_is_int(d) and 0 <= d <= limits.max_dim for d in shape):
+    if not all(exact_int(d) and 0 <= d <= limits.max_dim for d in shape):
         raise MalformedMessage(f"tensor {name!r}: every dim must be an int in [0, {limits.max_dim}]")
     nbytes = size * math.prod(shape)  # Python ints: no overflow
     if nbytes > limits.max_tensor_bytes:
@@ -176,7 +176,7 @@ def _check_descriptor(desc: Any, limits: WireLimits) -> _Layout:
             f"tensor {name!r} declares {nbytes} bytes; the limit is {limits.max_tensor_bytes}"
         )
     step, chunks = desc.get("chunk_bytes"), desc.get("chunks")
-    if not _is_int(step) or not 0 < step <= limits.max_chunk_bytes:
+    if not exact_int(step) or not 0 < step <= limits.max_chunk_bytes:
         raise LimitExceeded(f"tensor {name!r}: chunk_bytes must lie in (0, {limits.max_chunk_bytes}]")
     expected_chunks = -(-nbytes // step)
     if chunks != expected_chunks:
@@ -194,7 +194,7 @@ def _check_descriptor(desc: Any, limits: WireLimits) -> _Layout:
         if codec == CODEC_RAW:
             ok = wire == raw
         elif codec == CODEC_LZ4:
-            ok = _is_int(wire) and 0 < wire <= raw  # compressed only when it pays
+            ok = exact_int(wire) and 0 < wire <= raw  # compressed only when it pays
         else:
             raise MalformedMessage(f"tensor {name!r}: unknown codec {codec!r}")
         if not ok:

@@ -22,7 +22,7 @@ import msgpack
 from agora_core.codec import CompressionPolicy
 from agora_core.dtypes import Tensor
 from agora_core.errors import LimitExceeded, MalformedMessage, UnsupportedProtocolVersion, WireError
-from agora_core.tensor_frames import decode_tensors, encode_tensors
+from agora_core.tensor_frames import decode_tensors, encode_tensors, exact_int
 
 # (major, minor): a different major is refused, minors interoperate. 2: stream items and ends
 # may carry credit (a 1.x peer would ignore it and stall).
@@ -137,10 +137,6 @@ def encode(message: Message, config: WireConfig) -> list[Any]:
 # --- decoding -------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # msgpack decodes integers to exactly int; bool is not one here
-
-
 def unpack_header(frame, limits: WireLimits) -> dict[str, Any]:
     """Bounded msgpack decode of the header frame into a dict (schema not yet checked)."""
     size = len(memoryview(frame))
@@ -158,19 +154,23 @@ def unpack_header(frame, limits: WireLimits) -> dict[str, Any]:
 def peek_request_id(header: dict[str, Any]) -> int | None:
     """The request id of a header that failed validation, if it has a usable one."""
     rid = header.get("id")
-    return rid if _is_int(rid) and 0 <= rid < 1 << 63 else None
+    return rid if exact_int(rid) and 0 <= rid < 1 << 63 else None
 
 
 def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
     """Validate the header's schema and limits; return a Message without tensors yet."""
     version = header.get("v")
-    if type(version) is not list or len(version) != 2 or not (_is_int(version[0]) and _is_int(version[1])):
+    if (
+        type(version) is not list
+        or len(version) != 2
+        or not (exact_int(version[0]) and exact_int(version[1]))
+    ):
         raise MalformedMessage("header field 'v' must be [major, minor]")
     if version[0] != PROTOCOL_VERSION[0]:
         raise UnsupportedProtocolVersion(
             f"peer speaks protocol {version[0]}.{version[1]}; this node speaks {PROTOCOL_VERSION[0]}.x"
         )
-    kind = _KINDS.get(header.get("kind")) if _is_int(header.get("kind")) else None
+    kind = _KINDS.get(header.get("kind")) if exact_int(header.get("kind")) else None
     if kind is None:
         raise MalformedMessage(f"unknown message kind {header.get('kind')!r}")
     method = header.get("method", "")
@@ -189,7 +189,7 @@ def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
         raise MalformedMessage("header field 'sender' must be a str of bounded length")
     end = header.get("end", False)
     credit = header.get("credit", 0)
-    if not isinstance(end, bool) or not _is_int(credit) or not 0 <= credit <= 1 << 20:
+    if not isinstance(end, bool) or not exact_int(credit) or not 0 <= credit <= 1 << 20:
         raise MalformedMessage("header fields 'end'/'credit' have wrong types or range")
     message = Message(
         kind=kind,

@@ -107,7 +107,7 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
 @status_interval_option()
 def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> None:
     """Train on the samples in --shards until they run out, --max-samples, or Ctrl-C."""
-    node, run_config, settings = launch_role(options, config_file, TrainerSettings)
+    node, run_config, settings = launch_role("trainer", options, config_file, TrainerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
         trainer = Trainer(

@@ -83,7 +83,7 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
 )
 def run(config_file, stage, bootstrap, **options) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
-    node, run_config, settings = launch_role(options, config_file, WorkerSettings)
+    node, run_config, settings = launch_role("worker", options, config_file, WorkerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
         worker = Worker(

@@ -95,7 +95,7 @@ class Worker:
         untrained = [p for p in self.module.parameters() if not p.requires_grad]
         self.averager = Averager(
             config=run.averaging,
-            transport=run.transport,
+            chunk_bytes=run.transport.chunk_bytes,
             run_name=run.name,
             seed=run.seed,
             stage=stage,
@@ -286,6 +286,7 @@ class Worker:
                 "stage": self.stage,
                 "role": self.role,
                 "step": self.optimizer.step,
+                "last_step": None if self.last_step is None else dataclasses.asdict(self.last_step),
                 "samples": self.optimizer.samples,
                 "stage_samples": self.progress.stage_samples,
                 "queued": runtime.queued_samples,

@@ -134,6 +134,9 @@ def build(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     unknown = [key for key in data if key not in fields]
     if unknown:
         key = unknown[0]
+        moved_to = getattr(cls, "MOVED_KEYS", {}).get(key)
+        if moved_to:
+            raise ConfigError(_join(path, str(key)), f"this key moved: set {moved_to} instead")
         close = difflib.get_close_matches(str(key), fields, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(fields)}"
         raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")

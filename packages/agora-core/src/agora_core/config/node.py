@@ -1,7 +1,8 @@
 """Node-local settings: what differs per machine, never per run.
 
 Precedence, lowest first: defaults, ``AGORA_<NAME>`` environment variables, CLI flags. The
-same rule builds a role's own settings dataclass (``resolve_settings``).
+same rule builds a role's own settings dataclass (``resolve_settings``), whose variables carry
+the role in their prefix (``AGORA_WORKER_DEVICE``) so one environment can hold every role's.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ S = TypeVar("S")
 
 
 def resolve_settings(
-    cls: type[S], flags: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None
+    cls: type[S],
+    flags: Mapping[str, Any] | None = None,
+    *,
+    prefix: str = ENV_PREFIX,
+    environ: Mapping[str, str] | None = None,
 ) -> S:
-    """Settings dataclass ``cls``: defaults, overridden by ``AGORA_<FIELD>`` variables,
+    """Settings dataclass ``cls``: defaults, overridden by ``<prefix><FIELD>`` variables,
     overridden by non-None ``flags``. A bad value raises ConfigError naming the field."""
     environ = os.environ if environ is None else environ
     from_env: dict[str, Any] = {}
     for name, tp in field_types(cls).items():
-        raw = environ.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            from_env[name] = coerce(tp, raw, ENV_PREFIX + name.upper(), from_string=True)
+        variable = prefix + name.upper()
+        if (raw := environ.get(variable)) is not None:
+            from_env[name] = coerce(tp, raw, variable, from_string=True)
     chosen = {**from_env, **{k: v for k, v in (flags or {}).items() if v is not None}}
     return build(cls, chosen)
 

@@ -11,7 +11,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from agora_core.config.loader import build, require
 from agora_core.errors import ConfigError
@@ -135,6 +135,12 @@ class AveragingConfig:
     # Who may reduce: "all" peers, or only the node ids listed in ``reducer_ids``.
     reducers: Literal["all", "listed"] = "all"
     reducer_ids: tuple[str, ...] = ()
+    # Keys older configs set here; an error says where they live now.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "chunk_bytes": "transport.chunk_bytes",
+        "window_chunks": "transport.stream_window",
+        "compression": "transport.compression (true or false)",
+    }
 
     def __post_init__(self) -> None:
         require(self.segments >= 1, "segments", "must be >= 1")

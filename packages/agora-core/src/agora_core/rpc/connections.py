@@ -65,10 +65,9 @@ class _Peer:
 
 
 class ClientConnections:
-    """The client's socket and its connections to peers; :class:`RpcClient` adds the calls.
-
-    Sending, the routing of replies and every connection's state are this class's alone.
-    Use from one event loop."""
+    """The client's socket and its connections to peers; :class:`RpcClient` (a subclass) adds
+    the calls, registering each on its peer's ``pending``/``streams`` and sending through
+    ``_send``. Only this class touches the socket. Use from one event loop."""
 
     def __init__(
         self,

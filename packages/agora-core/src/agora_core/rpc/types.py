@@ -16,7 +16,7 @@ class RpcConfig:
     default_timeout_s: float = 30.0  # per call, when the caller names none
     connect_timeout_s: float = 5.0  # how long a call waits for a connection before PeerUnreachable
     max_inflight_requests: int = 1024  # per server; beyond it requests are answered Overloaded
-    stream_window: int = 8  # stream items a receiver lets its peer have in flight
+    stream_window: int = 4  # stream items a receiver lets its peer have in flight ([transport]'s default)
     max_connections: int = 256  # client connection pool size; idle ones are evicted LRU
     high_water_mark: int = 1000  # zmq messages queued per socket and peer
     reconnect_interval_s: float = 0.1  # first zmq reconnect delay; backs off to 20x

@@ -76,7 +76,6 @@ async def all_reduce(
     chunk_values: int,
     chunk_timeout_s: float,
     deadline: float,
-    compress: bool = True,
 ) -> AllReduceResult:
     """One butterfly round of ``values`` (this peer's copy of the segment) within ``group``.
 
@@ -94,7 +93,6 @@ async def all_reduce(
             chunk=chunk_values,
             chunk_timeout_s=chunk_timeout_s,
             deadline=deadline,
-            compress=compress,
         )
         for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
         if reducer.node_id == me
@@ -115,8 +113,6 @@ async def all_reduce(
                     start=lo,
                     chunk=chunk_values,
                     deadline=deadline,
-                    compress=compress,
-                    window=board.window,  # differences in flight back: as many as chunks out
                 )
                 for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
             )

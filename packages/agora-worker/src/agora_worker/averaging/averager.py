@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from agora_core.config.run import AveragingConfig, TransportConfig
+from agora_core.config.run import AveragingConfig
 from agora_core.contract import Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
@@ -51,7 +51,7 @@ class Averager:
         self,
         *,
         config: AveragingConfig,
-        transport: TransportConfig,  # owns the chunk size and compression of the streams
+        chunk_bytes: int,  # [transport] chunk_bytes: one averaging chunk per wire chunk
         run_name: str,
         seed: int,
         stage: int,
@@ -67,7 +67,7 @@ class Averager:
         phase: Callable[[], Phase],
     ):
         self.config = config
-        self.transport = transport
+        self.chunk_values = max(1, chunk_bytes // 4)  # float32 values per streamed chunk
         self._run_name, self._stage, self._key = run_name, stage, key
         self._dht, self._client = dht, client
         self._runtime, self._optimizer = runtime, optimizer
@@ -78,7 +78,7 @@ class Averager:
         )
         self.matchmaker = Matchmaker(dht=dht, key=key, run_name=run_name, stage=stage)
         # Senders may reach this peer before it formed its group: they wait up to one window.
-        # Streams get the node's window ([transport] stream_window).
+        # Streams get the RPC node's window and compression ([transport]).
         self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
         self._last_round_samples = 0
         self.active_round: int | None = None
@@ -188,10 +188,9 @@ class Averager:
             group=group,
             me=me.node_id,
             values=snapshot,
-            chunk_values=max(1, self.transport.chunk_bytes // 4),
+            chunk_values=self.chunk_values,
             chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=deadline,
-            compress=self.transport.compression,
         )
         steps_during = (
             await asyncio.wrap_future(self._runtime.call(lambda: self._apply(ranges, result.pieces))) - step

@@ -41,7 +41,7 @@ async def serve_slice(stream, reduction: SliceReduction, sender: str) -> Payload
         async with asyncio.timeout_at(reduction.deadline):
             while (item := await outbox.get()) is not None:
                 index, difference = item
-                await stream.send({"chunk": index}, {"delta": difference}, compress=reduction.compress)
+                await stream.send({"chunk": index}, {"delta": difference})
                 reduction.wire_bytes += difference.nbytes
                 sent += 1
     except TimeoutError:
@@ -64,13 +64,13 @@ class ReductionBoard:
     refused with BadRequest: the sender then knows it was left out.
     """
 
-    def __init__(self, server: RpcServer, *, early_wait_s: float, window: int | None = None):
+    def __init__(self, server: RpcServer, *, early_wait_s: float):
         self.reductions: dict[tuple[int, int], SliceReduction] = {}
         self._opened: dict[int, asyncio.Event] = {}
         self._closed: collections.deque[int] = collections.deque(maxlen=64)  # recent rounds
         self._early_wait_s = early_wait_s
-        self.window = window  # chunks a sender may have in flight to this reducer
-        server.register(Method.AVERAGING_REDUCE, self._on_stream, stream=True, window=window)
+        # Senders' chunks in flight: the node's stream window ([transport] stream_window).
+        server.register(Method.AVERAGING_REDUCE, self._on_stream, stream=True)
 
     def open(self, reductions: list[SliceReduction], round_index: int) -> None:
         for reduction in reductions:

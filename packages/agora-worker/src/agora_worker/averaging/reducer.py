@@ -45,7 +45,6 @@ class SliceReduction:
     chunk: int  # values per chunk
     chunk_timeout_s: float
     deadline: float  # time.monotonic() by which the round ends, reduced or not
-    compress: bool = True  # differences go back LZ4-compressed where a chunk pays for it
     clock: Callable[[], float] = time.monotonic  # when chunks arrive (tests drive their own)
     # chunk -> sender -> (its values, whether its difference may overwrite them)
     _inputs: dict[int, dict[str, tuple[np.ndarray, bool]]] = field(default_factory=dict)

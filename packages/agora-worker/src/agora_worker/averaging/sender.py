@@ -44,8 +44,6 @@ async def contribute(
     start: int,
     chunk: int,
     deadline: float,
-    compress: bool = True,
-    window: int | None = None,
 ) -> SliceResult:
     """Send this peer's values of one slice to its reducer; collect the differences back."""
     stop = start + len(values)
@@ -80,14 +78,12 @@ async def contribute(
         return result
     try:
         async with client.open_stream(
-            reducer_address, Method.AVERAGING_REDUCE, meta, timeout_s=remaining, window=window
+            reducer_address, Method.AVERAGING_REDUCE, meta, timeout_s=remaining
         ) as stream:
 
             async def send() -> None:
                 for index, (lo, hi) in enumerate(chunks):
-                    await stream.send(
-                        {"chunk": index}, {"values": values[lo - start : hi - start]}, compress=compress
-                    )
+                    await stream.send({"chunk": index}, {"values": values[lo - start : hi - start]})
                     result.wire_bytes += 4 * (hi - lo)
                 await stream.end()
 

@@ -28,6 +28,7 @@ from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import averaging_summary_key
+from agora_core.testing import wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,14 +136,21 @@ class Swarm:
         path = self.run_dir / "swarm.json"
         return json.loads(path.read_text())["members"] if path.exists() else []
 
-    def while_running(self, predicate: Callable[[], bool], *, what: str, every_s: float = 0.3) -> None:
-        """Poll ``predicate`` until it holds; fail if the run ends or runs out of time first."""
-        while not predicate():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the swarm stopped before {what}:\n{self.log.read_text()}")
-            if time.monotonic() > self.deadline:
-                raise TimeoutError(f"timed out after {RUN_S} s (the whole run) waiting for {what}")
-            time.sleep(every_s)  # the interval between polls of other processes
+    def while_running(self, predicate: Callable[[], bool], *, what: str) -> None:
+        """Wait until ``predicate`` holds; fail if the run ends or its deadline passes first."""
+        held = False
+
+        def held_or_stopped() -> bool:
+            nonlocal held
+            held = predicate()
+            return held or self.proc.poll() is not None
+
+        remaining_s = max(0.0, self.deadline - time.monotonic())
+        wait_until(
+            held_or_stopped, timeout_s=remaining_s, what=f"{what} (the run has {RUN_S} s)", every_s=0.3
+        )
+        if not held:
+            raise AssertionError(f"the swarm stopped before {what}:\n{self.log.read_text()}")
 
     @property
     def dht(self) -> BlockingDht:

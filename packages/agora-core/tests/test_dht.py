@@ -28,7 +28,7 @@ from agora_core.dht import DhtNode, RecordRejected, Status, owned_subkey
 from agora_core.dht.records import make_record
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, spawn_python, wait_until_async
+from agora_core.testing import ChildProcess, poll_until, spawn_python, wait_until_async
 
 IN_PROCESS = 32
 PROCESSES = 6
@@ -152,7 +152,7 @@ async def running_swarm(tmp: Path, *, in_process: int, processes: int) -> AsyncI
                 )
             )
         )
-        await wait_for_async(swarm.agree, timeout_s=30, what="one membership view")
+        await poll_until(swarm.agree, timeout_s=30, what="one membership view")
         yield swarm
 
 
@@ -163,15 +163,6 @@ async def swarm(tmp_path_factory):
         tmp_path_factory.mktemp("dht"), in_process=IN_PROCESS, processes=PROCESSES
     ) as swarm:
         yield swarm
-
-
-async def wait_for_async(check, *, timeout_s: float, what: str):
-    """Await ``check()`` until it returns true, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(PERIOD_S / 3)
 
 
 async def test_all_38_nodes_hold_one_membership_view(swarm):
@@ -259,7 +250,7 @@ async def wait_until_async_get(node, key, predicate, *, timeout_s):
     async def check():
         return predicate(await node.get(key))
 
-    await wait_for_async(check, timeout_s=timeout_s, what=f"{key} to satisfy the condition")
+    await poll_until(check, timeout_s=timeout_s, what=f"{key} to satisfy the condition")
 
 
 async def test_a_stalled_node_is_suspected_but_refutes_and_is_not_removed(swarm):
@@ -280,7 +271,7 @@ async def test_a_stalled_node_is_suspected_but_refutes_and_is_not_removed(swarm)
     async def alive_everywhere():
         return all(node.table.get(remote.node_id).status == Status.ALIVE for node in swarm.nodes)
 
-    await wait_for_async(alive_everywhere, timeout_s=10, what="the refutation to spread")
+    await poll_until(alive_everywhere, timeout_s=10, what="the refutation to spread")
     assert sum(node.table.deaths for node in swarm.nodes) == deaths  # suspected, never declared dead
 
 
@@ -311,8 +302,8 @@ async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_survivin
             found = await swarm.nodes[3].get_many(sorted(survivors))
             return all(found[key].get("v") is not None for key in survivors)
 
-        await wait_for_async(all_readable, timeout_s=30, what="every surviving record to be readable")
-        await wait_for_async(swarm.agree, timeout_s=30, what="the dead to leave every view")
+        await poll_until(all_readable, timeout_s=30, what="every surviving record to be readable")
+        await poll_until(swarm.agree, timeout_s=30, what="the dead to leave every view")
 
         async def replicated_again():  # anti-entropy restored R copies on the new replica sets
             for key in sorted(survivors)[:30]:
@@ -322,7 +313,7 @@ async def test_killing_a_quarter_of_the_swarm_keeps_every_record_with_a_survivin
                         return False
             return True
 
-        await wait_for_async(replicated_again, timeout_s=30, what="records on their new replicas")
+        await poll_until(replicated_again, timeout_s=30, what="records on their new replicas")
 
 
 async def test_new_nodes_take_over_their_share(tmp_path):
@@ -344,7 +335,7 @@ async def test_new_nodes_take_over_their_share(tmp_path):
                 return False  # the swarm does not agree on who is in it yet
             return all(n.records.get(k, now=time.time()) for n in newcomers for k in share(n))
 
-        await wait_for_async(held, timeout_s=30, what="newcomers to hold their keys")
+        await poll_until(held, timeout_s=30, what="newcomers to hold their keys")
         assert sum(len(share(n)) for n in newcomers) > 0  # they did take over something
 
 
@@ -359,8 +350,8 @@ async def test_a_restarted_node_rejoins(tmp_path):
         async def gone():
             return all(key.node_id not in view for view in (await swarm.views()).values())
 
-        await wait_for_async(gone, timeout_s=30, what="the crash to be noticed")
+        await poll_until(gone, timeout_s=30, what="the crash to be noticed")
         reborn = await swarm.new_node([swarm.nodes[0].address], key=key, listen=address)
         swarm.nodes.append(reborn)
         assert reborn.table.me.incarnation > old_incarnation
-        await wait_for_async(swarm.agree, timeout_s=30, what="the restarted node in every view")
+        await poll_until(swarm.agree, timeout_s=30, what="the restarted node in every view")

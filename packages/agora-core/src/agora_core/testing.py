@@ -19,13 +19,20 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 POLL_INTERVAL_S = 0.005
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Block until ``predicate()`` is true; TimeoutError naming ``what`` after ``timeout_s``."""
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout_s: float = 10.0,
+    what: str = "condition",
+    every_s: float = POLL_INTERVAL_S,
+) -> None:
+    """Block until ``predicate()`` is true, checking every ``every_s`` (longer for a check that
+    asks another process); TimeoutError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(every_s)
 
 
 async def wait_until_async(

@@ -32,6 +32,9 @@ class Method:
     PROGRESS_POKE = "progress.poke"
     AVERAGING_START = "averaging.start"
     AVERAGING_REDUCE = "averaging.reduce"  # a stream: chunks in, differences back
+    # workers: state transfer to a joining replica (and to tools exporting the model)
+    STATE_MANIFEST = "state.manifest"  # take (or reuse) a snapshot; its tensors and digests
+    STATE_FETCH = "state.fetch"  # a byte range of one tensor of a snapshot
     # `agora serve` (the transport self-check)
     PING = "ping"
     ECHO = "echo"
@@ -40,13 +43,19 @@ class Method:
 class Phase(enum.StrEnum):
     """Where a worker stands in joining its stage (the report's sync phases)."""
 
+    DOWNLOADING = "downloading"  # fetching its stage's state from peers: no batches, no rounds
     SERVING = "serving"  # a full participant
     WEIGHT_SYNC = "weight_sync"  # catching up: invisible to trainers, averages at weight 0
     OPTIMIZER_SYNC = "optimizer_sync"  # serves batches, but its samples do not count
 
     @property
     def visible_to_trainers(self) -> bool:
-        return self is not Phase.WEIGHT_SYNC
+        return self in (Phase.SERVING, Phase.OPTIMIZER_SYNC)
+
+    @property
+    def averages(self) -> bool:
+        """Whether it takes part in averaging rounds (at weight 0 unless it counts samples)."""
+        return self is not Phase.DOWNLOADING
 
     @property
     def counts_samples(self) -> bool:

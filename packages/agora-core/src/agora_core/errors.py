@@ -99,6 +99,12 @@ class Overloaded(RpcError):
     code = "overloaded"
 
 
+class NotServing(RpcError):
+    """The worker is joining its stage (downloading state, weight sync) and serves no batches."""
+
+    code = "not_serving"
+
+
 class StreamError(RpcError):
     """A stream broke its protocol: sent without credit, after its end, or out of order."""
 
@@ -116,6 +122,7 @@ _RPC_ERRORS: dict[str, type[RpcError]] = {
         DeadlineExceeded,
         PeerUnreachable,
         Overloaded,
+        NotServing,
         StreamError,
     )
 }

@@ -5,9 +5,11 @@ from agora_core.config.node import NodeSettings, resolve_settings
 from agora_core.config.run import (
     AdmissionConfig,
     AveragingConfig,
+    CheckpointConfig,
     ClippingConfig,
     DataConfig,
     DhtConfig,
+    JoinConfig,
     ModelConfig,
     OptimizerConfig,
     RunConfig,
@@ -21,9 +23,11 @@ from agora_core.config.run import (
 __all__ = [
     "AdmissionConfig",
     "AveragingConfig",
+    "CheckpointConfig",
     "ClippingConfig",
     "DataConfig",
     "DhtConfig",
+    "JoinConfig",
     "ModelConfig",
     "NodeSettings",
     "OptimizerConfig",

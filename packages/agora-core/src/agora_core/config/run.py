@@ -163,13 +163,51 @@ class AveragingConfig:
 class SyncConfig:
     # report: a stale joiner first averages at weight 0 for a full pass of SPARTA
     # (20 rounds x 20 steps), then warms its optimizer on live batches for 100 steps.
+    # A worker that downloaded its state from peers passes through both phases.
     weight_sync_steps: int = 400
     optimizer_sync_steps: int = 100
-    stale_after_steps: int = 20  # downloaded state older than this enters the sync phases
+    # A starting worker whose own state (initial weights or a checkpoint) is more than this
+    # many steps behind its stage's live replicas downloads theirs; a serving worker that
+    # falls this far behind its stage re-enters weight sync.
+    stale_after_steps: int = 20
 
     def __post_init__(self) -> None:
         for name in ("weight_sync_steps", "optimizer_sync_steps", "stale_after_steps"):
             require(getattr(self, name) >= 0, name, "must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class JoinConfig:
+    """How a joining worker downloads its stage's state from live replicas (donors)."""
+
+    max_donors: int = 3  # replicas downloaded from at once
+    # One fetch request's share of a tensor. Several in flight per donor keep a link busy
+    # across its round trip: 4 x 4 MiB covers 200 Mbit/s at up to ~0.6 s RTT.
+    piece_bytes: int = 4 * MiB
+    pieces_in_flight: int = 4
+    piece_timeout_s: float = 30.0  # a donor missing it is dropped; its pieces go to another
+    manifest_timeout_s: float = 60.0  # the donor's snapshot and its digests
+    snapshot_ttl_s: float = 120.0  # a donor drops a snapshot no fetch touched for this long
+    attempts: int = 3  # discover-and-download tries before the worker gives up on peers
+
+    def __post_init__(self) -> None:
+        for name in ("max_donors", "pieces_in_flight", "attempts"):
+            require(getattr(self, name) >= 1, name, "must be >= 1")
+        require(4096 <= self.piece_bytes <= 64 * MiB, "piece_bytes", "must lie in [4 KiB, 64 MiB]")
+        for name in ("piece_timeout_s", "manifest_timeout_s", "snapshot_ttl_s"):
+            require(getattr(self, name) > 0, name, "must be positive")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Checkpoints a worker writes with ``--checkpoint-dir``."""
+
+    every_steps: int = 100  # optimizer steps between checkpoints
+    keep: int = 3  # the newest this many are kept; older ones are deleted
+
+    def __post_init__(self) -> None:
+        require(self.every_steps >= 1, "every_steps", "must be >= 1")
+        require(self.keep >= 1, "keep", "must be >= 1")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -267,12 +305,19 @@ class RunConfig:
     clipping: ClippingConfig = field(default_factory=ClippingConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    join: JoinConfig = field(default_factory=JoinConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dht: DhtConfig = field(default_factory=DhtConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         require(bool(self.name) and len(self.name) <= 64, "name", "must be 1-64 characters")
+        require(
+            self.join.piece_bytes <= self.transport.max_message_bytes,
+            "join.piece_bytes",
+            "must not exceed transport.max_message_bytes",
+        )
         require(
             self.model.vocab_size >= 256 or self.data.tokenizer != "bytes",
             "model.vocab_size",

@@ -302,7 +302,8 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
         last = info["last_step"]
         done = bool(trained_at) and last is not None and last["applied"] and last["step"] > trained_at[0]
         if done:
-            assert info["join"]["source"] == "peers" and info["join"]["donors"], info["join"]
+            joined = info["join"]  # its installed state read back equalled the donors' bytes
+            assert joined["source"] == "peers" and joined["donors"] and joined["verified"], joined
             assert info["refused_while_invisible"] == 0, "a trainer routed to it while it was invisible"
         return done
 

@@ -108,6 +108,7 @@ async def test_a_newcomer_downloads_a_replica_bit_exact_and_syncs_before_it_serv
     await wait_until_async(lambda: donor.progress.stage_step == donor.optimizer.step, what="donor progress")
     newcomer = await workers(0)
     assert newcomer.joined.source == "peers" and newcomer.joined.donors == [donor.key.node_id]
+    assert newcomer.joined.verified
     assert newcomer.optimizer.step == donor.optimizer.step
     mine, theirs = await capture(newcomer), await capture(donor)
     assert any(name.startswith("adam/") for name in theirs.tensors)  # moments travelled too

@@ -217,7 +217,9 @@ class DhtConfig:
     probe_timeout_s: float = 0.5
     indirect_probes: int = 3  # k peers asked to probe a silent node
     suspicion_timeout_s: float = 5.0
-    record_ttl_s: float = 60.0  # default expiry of announcements; owners refresh before it
+    # The lifetime of every entry a node publishes (announcements, progress, averaging):
+    # owners refresh at least three times per lifetime; a dead node's entries vanish within it.
+    record_ttl_s: float = 60.0
     max_expiration_ahead_s: float = 3600.0
     max_clock_skew_s: float = 30.0
     max_value_bytes: int = 64 * 1024
@@ -251,6 +253,12 @@ class DhtConfig:
             self.probe_timeout_s < self.gossip_period_s,
             "probe_timeout_s",
             f"must be shorter than gossip_period_s ({self.gossip_period_s})",
+        )
+        require(
+            self.record_ttl_s + self.max_clock_skew_s <= self.max_expiration_ahead_s,
+            "record_ttl_s",
+            f"plus max_clock_skew_s must not exceed max_expiration_ahead_s ({self.max_expiration_ahead_s:g}): "
+            "replicas refuse entries that expire further ahead",
         )
         require(self.max_value_bytes > 0, "max_value_bytes", "must be positive")
         require(self.max_subkeys > 0, "max_subkeys", "must be positive")
@@ -317,6 +325,12 @@ class RunConfig:
             self.join.piece_bytes <= self.transport.max_message_bytes,
             "join.piece_bytes",
             "must not exceed transport.max_message_bytes",
+        )
+        require(
+            self.dht.record_ttl_s > self.averaging.matchmaking_window_s,
+            "dht.record_ttl_s",
+            f"must exceed averaging.matchmaking_window_s ({self.averaging.matchmaking_window_s:g}): "
+            "a peer's matchmaking entry must last through the window",
         )
         require(
             self.model.vocab_size >= 256 or self.data.tokenizer != "bytes",

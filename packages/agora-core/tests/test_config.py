@@ -49,7 +49,7 @@ def test_values_override_defaults_and_lists_become_tuples():
         ("[dht]\nprobe_timeout_s = 5.0", "dht.probe_timeout_s", "shorter than gossip_period_s"),
         ("[dht]\nrecord_ttl_s = 30.0", "dht.record_ttl_s", "exceed averaging.matchmaking_window_s"),
         ("[dht]\nrecord_ttl_s = 3580.0", "dht.record_ttl_s", "max_expiration_ahead_s"),
-        ('[admission]\nmode = "authorized"', "admission.authorizer_public_key", "public key"),
+        ('[admission]\nmode = "authorized"', "admission.mode", "not implemented yet"),
         ("model = 3", "model", "expected a table"),
         ("[model]\nvocab_size = 100", "model.vocab_size", "byte tokenizer"),
         ("colour = 1", "colour", "unknown key"),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from agora_core.config.loader import build, require
+from agora_core.config.unimplemented import refuse_not_implemented
 from agora_core.errors import ConfigError
 
 MiB = 1 << 20
@@ -80,7 +81,7 @@ class ModelConfig:
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     tokenizer: Literal["bytes"] = "bytes"  # byte-level: no download needed
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0  # not implemented yet: samples come in shard order (config/unimplemented.py)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -289,7 +290,9 @@ class TransportConfig:
 @dataclass(kw_only=True, frozen=True)
 class AdmissionConfig:
     # open: no authorizer, anyone may join (private experiments). authorized: nodes need a
-    # credential signed by the authorizer whose public key is given here.
+    # credential signed by the authorizer whose public key is given here. Not implemented yet:
+    # the authorizer does not exist, so a config asking for "authorized" or naming a key is
+    # refused (config/unimplemented.py).
     mode: Literal["open", "authorized"] = "open"
     authorizer_public_key: str | None = None  # hex Ed25519 public key
 
@@ -349,7 +352,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise ConfigError("", f"run config {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
-    return build(RunConfig, data)
+    return _build_run(data)
 
 
 def parse_run_config(text: str) -> RunConfig:
@@ -357,4 +360,9 @@ def parse_run_config(text: str) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("", f"not valid TOML: {exc}") from None
+    return _build_run(data)
+
+
+def _build_run(data: dict) -> RunConfig:
+    refuse_not_implemented(RunConfig, data)
     return build(RunConfig, data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -198,8 +199,11 @@ async def test_announcement_appears_and_is_withdrawn_on_clean_shutdown(workers, 
     worker = await workers(2)
     key = stage_workers_key(RUN.name, 2)
     found = await seed.get(key)
-    announcement = WorkerAnnouncement.from_value(next(iter(found.values())).value)
+    entry = next(iter(found.values()))
+    announcement = WorkerAnnouncement.from_value(entry.value)
     assert announcement.address == worker.address and announcement.phase == "serving"
+    # it lives the run's record_ttl_s (60 s), not a few announce intervals (0.2 s here)
+    assert RUN.dht.record_ttl_s - 5 < entry.expiration - time.time() <= RUN.dht.record_ttl_s
     assert announcement.stage == 2 and announcement.max_batch == 16
     await worker.stop(grace_s=1)
     assert await seed.get(key) == {}  # withdrawn at once, not left to expire

@@ -14,6 +14,7 @@ import numpy as np
 
 from agora_core import __version__
 from agora_core.config import NodeSettings
+from agora_core.config.unimplemented import NOT_IMPLEMENTED
 from agora_core.contract import Method
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError, ConfigError
@@ -66,7 +67,9 @@ def config() -> None:
 @config.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
-    """Validate a run config TOML and summarize it."""
+    """Validate a run config TOML and summarize it.
+
+    Keys the code does not act on yet are listed; a config that sets one is refused."""
     run = load_config(file)
     m = run.model
     click.echo(f"{file}: ok")
@@ -87,6 +90,9 @@ def config_check(file: str) -> None:
         f"{a.cadence_steps} steps, window {a.matchmaking_window_s:g} s, timeout {a.round_timeout_s:g} s"
     )
     click.echo(f"  admission  {run.admission.mode}")
+    click.echo("  not implemented yet (refused unless left at their defaults):")
+    for key, why in NOT_IMPLEMENTED.items():
+        click.echo(f"    {key}: {why}")
 
 
 # --- a standalone node ----------------------------------------------------------------------

@@ -76,7 +76,8 @@ def _phase(value: dict) -> Phase:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerAnnouncement:
-    """A worker's entry under :func:`stage_workers_key`, refreshed with a short expiry."""
+    """A worker's entry under :func:`stage_workers_key`: it lives the run's dht.record_ttl_s,
+    refreshed every announce_interval_s (at most a third of it)."""
 
     node_id: str
     address: str

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agora_core.config import RunConfig, require
 from agora_core.dht import DhtError
-from agora_core.dht.owned import OwnedEntry
+from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
@@ -49,7 +49,8 @@ class TrainerSettings:
     max_samples: int | None = None  # stop after completing this many (None: run the shards out)
     refresh_interval_s: float = 5.0  # how often worker lists are re-read from the DHT
     ban_s: float = 10.0  # a worker whose call failed is skipped this long
-    progress_interval_s: float = 5.0  # how often progress is published to the DHT
+    # How often progress is published to the DHT; at most dht.record_ttl_s / 3 (its lifetime).
+    progress_interval_s: float = 2.0
     max_attempts: int = 5  # per stage call, across the stage's workers
     wait_for_worker_s: float = 120.0  # how long a stage may have no usable worker, at start and per call
     max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
@@ -84,6 +85,7 @@ class Trainer:
         self.run = run
         self.key = key
         self.settings = settings or TrainerSettings()
+        check_refresh(self.settings.progress_interval_s, run.dht.record_ttl_s, "progress_interval_s")
         self.metrics = metrics or NodeMetrics(role="trainer", instance=key.node_id[:12])
         shards = open_shards(shards_dir)
         tokenizer = get_tokenizer(run.data.tokenizer)
@@ -202,9 +204,7 @@ class Trainer:
         )
 
     async def publish_progress(self) -> None:
-        await self.progress.publish(
-            self.report().to_value(), max(3 * self.settings.progress_interval_s, 10.0)
-        )
+        await self.progress.publish(self.report().to_value(), self.run.dht.record_ttl_s)
 
     async def _progress_loop(self) -> None:
         while True:

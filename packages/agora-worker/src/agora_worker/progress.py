@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 from agora_core.dht import DhtError, DhtNode
-from agora_core.dht.owned import OwnedEntry
+from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
@@ -33,6 +33,7 @@ class StageProgressTracker:
         stage: int,
         target_batch_size: int,
         interval_s: float,
+        ttl_s: float,
         local: Callable[[], tuple[int, int]],
         take_step: Callable[[], Awaitable[object]],
         address: Callable[[], str] = lambda: "",
@@ -40,11 +41,15 @@ class StageProgressTracker:
     ):
         """``local()`` gives this worker's (step, accumulated samples); ``take_step()`` steps.
         With ``poke(address)``, a worker that steps pokes its peers at their ``address()``, so
-        they check at once instead of at their next tick."""
+        they check at once instead of at their next tick. Reports live ``ttl_s`` (the run's
+        dht.record_ttl_s): a dead worker's lingers that long, which costs at most one early
+        step, since only reports at a worker's own step count toward its batch."""
+        check_refresh(interval_s, ttl_s, "progress_interval_s")
         self._key = key
         self._entry = OwnedEntry(dht, key, stage_progress_key(run_name, stage))
         self._target = target_batch_size
         self._interval_s = interval_s
+        self._ttl_s = ttl_s
         self._local = local
         self._take_step = take_step
         self._address = address
@@ -90,7 +95,7 @@ class StageProgressTracker:
     async def publish(self) -> None:
         step, samples = self._local()
         report = StageProgress(node_id=self._key.node_id, step=step, samples=samples, address=self._address())
-        await self._entry.publish(report.to_value(), max(10 * self._interval_s, 5.0))
+        await self._entry.publish(report.to_value(), self._ttl_s)
 
     async def read(self) -> list[StageProgress]:
         return parse_entries(await self._entry.read_all(), StageProgress.from_value)

@@ -114,6 +114,7 @@ class Worker:
         self.averager = Averager(
             config=run.averaging,
             chunk_bytes=run.transport.chunk_bytes,
+            record_ttl_s=run.dht.record_ttl_s,
             run_name=run.name,
             seed=run.seed,
             stage=stage,
@@ -135,6 +136,7 @@ class Worker:
             stage=stage,
             target_batch_size=run.optimizer.target_batch_size,
             interval_s=self.settings.progress_interval_s,
+            ttl_s=run.dht.record_ttl_s,
             # A worker in optimizer sync trains, but its samples do not count toward the batch.
             local=lambda: (
                 self.optimizer.step,
@@ -152,6 +154,7 @@ class Worker:
             run_name=run.name,
             stage=stage,
             interval_s=self.settings.announce_interval_s,
+            ttl_s=run.dht.record_ttl_s,
             describe=self.describe,
         )
         self.joiner = Joiner(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from agora_core.config.loader import build, require
+from agora_core.config.unimplemented import refuse_not_implemented
 from agora_core.errors import ConfigError
 
 MiB = 1 << 20
@@ -80,7 +81,7 @@ class ModelConfig:
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     tokenizer: Literal["bytes"] = "bytes"  # byte-level: no download needed
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0  # not implemented yet: samples come in shard order (config/unimplemented.py)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -217,7 +218,9 @@ class DhtConfig:
     probe_timeout_s: float = 0.5
     indirect_probes: int = 3  # k peers asked to probe a silent node
     suspicion_timeout_s: float = 5.0
-    record_ttl_s: float = 60.0  # default expiry of announcements; owners refresh before it
+    # The lifetime of every entry a node publishes (announcements, progress, averaging):
+    # owners refresh at least three times per lifetime; a dead node's entries vanish within it.
+    record_ttl_s: float = 60.0
     max_expiration_ahead_s: float = 3600.0
     max_clock_skew_s: float = 30.0
     max_value_bytes: int = 64 * 1024
@@ -252,6 +255,12 @@ class DhtConfig:
             "probe_timeout_s",
             f"must be shorter than gossip_period_s ({self.gossip_period_s})",
         )
+        require(
+            self.record_ttl_s + self.max_clock_skew_s <= self.max_expiration_ahead_s,
+            "record_ttl_s",
+            f"plus max_clock_skew_s must not exceed max_expiration_ahead_s ({self.max_expiration_ahead_s:g}): "
+            "replicas refuse entries that expire further ahead",
+        )
         require(self.max_value_bytes > 0, "max_value_bytes", "must be positive")
         require(self.max_subkeys > 0, "max_subkeys", "must be positive")
 
@@ -281,7 +290,9 @@ class TransportConfig:
 @dataclass(kw_only=True, frozen=True)
 class AdmissionConfig:
     # open: no authorizer, anyone may join (private experiments). authorized: nodes need a
-    # credential signed by the authorizer whose public key is given here.
+    # credential signed by the authorizer whose public key is given here. Not implemented yet:
+    # the authorizer does not exist, so a config asking for "authorized" or naming a key is
+    # refused (config/unimplemented.py).
     mode: Literal["open", "authorized"] = "open"
     authorizer_public_key: str | None = None  # hex Ed25519 public key
 
@@ -319,6 +330,12 @@ class RunConfig:
             "must not exceed transport.max_message_bytes",
         )
         require(
+            self.dht.record_ttl_s > self.averaging.matchmaking_window_s,
+            "dht.record_ttl_s",
+            f"must exceed averaging.matchmaking_window_s ({self.averaging.matchmaking_window_s:g}): "
+            "a peer's matchmaking entry must last through the window",
+        )
+        require(
             self.model.vocab_size >= 256 or self.data.tokenizer != "bytes",
             "model.vocab_size",
             "the byte tokenizer needs vocab_size >= 256",
@@ -335,7 +352,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise ConfigError("", f"run config {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
-    return build(RunConfig, data)
+    return _build_run(data)
 
 
 def parse_run_config(text: str) -> RunConfig:
@@ -343,4 +360,9 @@ def parse_run_config(text: str) -> RunConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("", f"not valid TOML: {exc}") from None
+    return _build_run(data)
+
+
+def _build_run(data: dict) -> RunConfig:
+    refuse_not_implemented(RunConfig, data)
     return build(RunConfig, data)

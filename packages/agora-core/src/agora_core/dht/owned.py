@@ -1,4 +1,9 @@
-"""A node's own signed entry under a shared DHT key (announcements, progress reports)."""
+"""A node's own signed entry under a shared DHT key (announcements, progress reports).
+
+Every entry a role publishes lives the run's ``dht.record_ttl_s``; an owner that keeps one
+visible refreshes it at least ``REFRESHES_PER_TTL`` times per lifetime (``check_refresh``),
+so it survives two missed refreshes, and a node that dies vanishes within one lifetime.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,21 @@ from typing import Any
 
 from agora_core.dht.node import DhtNode, DhtValue
 from agora_core.dht.records import owned_subkey
+from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
+
+REFRESHES_PER_TTL = 3
+
+
+def check_refresh(interval_s: float, ttl_s: float, key: str) -> None:
+    """ConfigError naming ``key`` unless an entry refreshed every ``interval_s`` is refreshed
+    ``REFRESHES_PER_TTL`` times within its lifetime ``ttl_s`` (the run's dht.record_ttl_s)."""
+    if interval_s * REFRESHES_PER_TTL > ttl_s:
+        raise ConfigError(
+            key,
+            f"{interval_s:g} s is too long for dht.record_ttl_s = {ttl_s:g} s: refresh at most every "
+            f"{ttl_s / REFRESHES_PER_TTL:g} s, so an entry outlives two missed refreshes",
+        )
 
 
 class OwnedEntry:

@@ -52,6 +52,7 @@ class Averager:
         *,
         config: AveragingConfig,
         chunk_bytes: int,  # [transport] chunk_bytes: one averaging chunk per wire chunk
+        record_ttl_s: float,  # [dht] record_ttl_s: how long its matchmaking entries and summaries live
         run_name: str,
         seed: int,
         stage: int,
@@ -76,7 +77,8 @@ class Averager:
         self.layout = SegmentLayout(
             [t.numel() for t in tensors], segments=config.segments, run_seed=seed, stage=stage
         )
-        self.matchmaker = Matchmaker(dht=dht, key=key, run_name=run_name, stage=stage)
+        self.matchmaker = Matchmaker(dht=dht, key=key, run_name=run_name, stage=stage, ttl_s=record_ttl_s)
+        self._record_ttl_s = record_ttl_s
         # Senders may reach this peer before it formed its group: they wait up to one window.
         # Streams get the RPC node's window and compression ([transport]).
         self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
@@ -235,6 +237,6 @@ class Averager:
 
     async def _publish(self, report: RoundReport) -> None:
         try:
-            await self._summary.publish(asdict(report), max(3 * self.config.round_timeout_s, 60.0))
+            await self._summary.publish(asdict(report), self._record_ttl_s)
         except Exception as exc:  # bookkeeping only: the round itself is done
             log.info("averaging_summary_unpublished", error=str(exc))

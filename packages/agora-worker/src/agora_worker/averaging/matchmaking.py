@@ -73,8 +73,12 @@ class Group:
 
 
 class Matchmaker:
-    def __init__(self, *, dht: DhtNode, key: NodeKey, run_name: str, stage: int, poll_s: float = 0.05):
+    def __init__(
+        self, *, dht: DhtNode, key: NodeKey, run_name: str, stage: int, ttl_s: float, poll_s: float = 0.05
+    ):
+        """``ttl_s``: the run's dht.record_ttl_s, longer than any window (the run config checks)."""
         self._dht = dht
+        self._ttl_s = ttl_s
         self._key = key
         self._run_name = run_name
         self._stage = stage
@@ -85,7 +89,7 @@ class Matchmaker:
         entry = OwnedEntry(
             self._dht, self._key, averaging_round_key(self._run_name, self._stage, round_index)
         )
-        await entry.publish(asdict(me), max(3 * window_s, 30.0))
+        await entry.publish(asdict(me), self._ttl_s)
         deadline = time.monotonic() + window_s
         while True:
             peers = {peer.node_id: peer for peer in parse_entries(await entry.read_all(), Peer.from_value)}

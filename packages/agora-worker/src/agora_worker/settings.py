@@ -25,6 +25,10 @@ class WorkerSettings:
     # serving: full participant. weight_sync: invisible to trainers, averages with weight 0
     # (a stale joiner catching up). optimizer_sync: serves, but its samples do not count.
     phase: Phase = Phase.SERVING
+    # Write checkpoints here (every [checkpoint] every_steps steps and on a clean stop); one
+    # directory per worker. None: no checkpoints.
+    checkpoint_dir: str | None = None
+    resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir, if any
 
     def __post_init__(self) -> None:
         require(self.phase in set(Phase), "phase", f"must be one of {', '.join(Phase)}")
@@ -42,6 +46,9 @@ class WorkerSettings:
             "surrogate_delay_scale",
         ):
             require(getattr(self, name) > 0, name, "must be positive")
+        require(
+            not self.resume or bool(self.checkpoint_dir), "resume", "needs a checkpoint_dir to resume from"
+        )
 
 
 def batch_limits(

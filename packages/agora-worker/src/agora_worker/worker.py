@@ -26,11 +26,14 @@ from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
+from agora_worker.checkpoint import CheckpointStore
+from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
 from agora_worker.progress import StageProgressTracker
 from agora_worker.runtime import Op, Runtime
 from agora_worker.settings import WorkerSettings, batch_limits
+from agora_worker.state import StageState
 from agora_worker.tensors import activations, token_ids
 
 log = get_logger("worker")
@@ -144,12 +147,31 @@ class Worker:
             "agora_worker_grad_norm", "Gradient norm before clipping, last step."
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+        # --- checkpoints (--checkpoint-dir, --resume) -------------------------------------------
+        self.state = StageState(self.module, self.optimizer)
+        self.checkpoints = (
+            CheckpointStore(self.settings.checkpoint_dir, run=run, stage=stage, keep=run.checkpoint.keep)
+            if self.settings.checkpoint_dir
+            else None
+        )
+        self.checkpoint_writer = (
+            CheckpointWriter(
+                self.checkpoints,
+                capture=lambda: self.runtime.call(self.state.capture),
+                every_steps=run.checkpoint.every_steps,
+                metrics=self.metrics,
+            )
+            if self.checkpoints
+            else None
+        )
+        self.resumed_step: int | None = None  # the checkpoint's step this worker started from
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> str:
         self.address = await self.node.start()
         self.runtime.start()
+        await self._resume_from_checkpoint()
         await self.announcer.announce()  # visible to trainers before the first refresh
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -176,6 +198,8 @@ class Worker:
         await self.averager.stop()
         await self.announcer.withdraw()
         await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
+        if self.checkpoint_writer is not None:  # the last state, while the compute thread runs
+            await self.checkpoint_writer.close(step=self.optimizer.step, timeout_s=grace_s)
         await asyncio.to_thread(self.runtime.stop)
         log.info("worker_stopped", stage=self.stage, step=self.optimizer.step)
 
@@ -188,6 +212,8 @@ class Worker:
         self._m_norm.set(report.grad_norm)
         self._m_lr.set(report.lr)
         self.averager.on_step(report.step)
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.on_step(report.step)
         log.info(
             "optimizer_step",
             stage=self.stage,
@@ -198,6 +224,38 @@ class Worker:
             applied=report.applied,
         )
         return report
+
+    async def _resume_from_checkpoint(self) -> int | None:
+        """With ``resume``: install the newest valid checkpoint (weights, AdamW state, step) on
+        the compute thread and return its step; None when not resuming or none is valid."""
+        if not self.settings.resume or self.checkpoints is None:
+            return None
+        snapshot = await asyncio.to_thread(self.checkpoints.newest_valid, check=self.state.check)
+        if snapshot is None:
+            log.warning("checkpoint_resume_none", directory=str(self.checkpoints.directory), stage=self.stage)
+            return None
+        await asyncio.wrap_future(self.runtime.call(lambda: self.state.install(snapshot)))
+        self.resumed_step = snapshot.step
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.resumed(snapshot.step)
+        log.info(
+            "checkpoint_resumed",
+            stage=self.stage,
+            step=snapshot.step,
+            directory=str(self.checkpoints.directory),
+        )
+        return snapshot.step
+
+    def _checkpoint_info(self) -> dict | None:
+        writer = self.checkpoint_writer
+        if writer is None:
+            return None
+        return {
+            "directory": str(writer.store.directory),
+            "last_step": writer.last_step,
+            "resumed_step": self.resumed_step,
+            "writing": writer.writing,
+        }
 
     def describe(self) -> WorkerAnnouncement:
         runtime = self.runtime
@@ -297,6 +355,7 @@ class Worker:
                 "max_batch": self.max_batch,
                 "phase": self.settings.phase,
                 "averaging": self.averager.info(),
+                "checkpoint": self._checkpoint_info(),
                 "version": __version__,
                 "time": time.time(),
             }

@@ -42,6 +42,10 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     click.echo(f"  node id    {worker.key.node_id}")
     click.echo(f"  serving    {address}")
     click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
+    joined = worker.joined
+    source = {"peers": "downloaded from live replicas", "checkpoint": "resumed from a checkpoint"}
+    click.echo(f"  state      step {joined.step}, {source.get(joined.source, 'initial weights')}")
+    click.echo(f"  phase      {worker.phases.phase}")
     if endpoint is not None:
         click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
     if worker.checkpoints is not None:
@@ -81,9 +85,15 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
 @click.option(
+    "--download",
+    type=click.Choice(["auto", "always", "never"]),
+    help="Download the stage's state from live replicas: auto (default: when they are more than "
+    "sync.stale_after_steps ahead), always, never.",
+)
+@click.option(
     "--phase",
-    type=click.Choice([phase.value for phase in Phase]),
-    help="Participation phase (default serving; weight_sync: averages at weight 0, gets no samples).",
+    type=click.Choice([phase.value for phase in Phase if phase is not Phase.DOWNLOADING]),
+    help="Operators and tests: pin one phase for good (default: the sync phases run by themselves).",
 )
 @click.option(
     "--surrogate-delay-scale",

@@ -52,6 +52,7 @@ class StageProgressTracker:
         self._peer_addresses: list[str] = []
         self._pokes: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self.stage_samples = 0  # what the stage holds toward this worker's current step
+        self.stage_step = 0  # the furthest step any worker of the stage reported, this one's included
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last read
         self._wake = asyncio.Event()
@@ -64,7 +65,8 @@ class StageProgressTracker:
         self.peers = len(at_step)
         self._others = sum(r.samples for r in at_step)
         self.stage_samples = samples + self._others
-        behind = any(r.step > step for r in reports)
+        self.stage_step = max([step, *(r.step for r in reports)])
+        behind = self.stage_step > step
         return behind or (samples > 0 and self.stage_samples >= self._target)
 
     def poked(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -22,17 +23,23 @@ class WorkerSettings:
     announce_interval_s: float = 2.0  # how often the announcement is refreshed (expiry: 3x)
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
     surrogate_delay_scale: float = 1.0  # surrogate stages only: this node is this much slower
-    # serving: full participant. weight_sync: invisible to trainers, averages with weight 0
-    # (a stale joiner catching up). optimizer_sync: serves, but its samples do not count.
-    phase: Phase = Phase.SERVING
+    # Operators and tests only: pin the worker to one phase for good (None: the sync phases
+    # run by themselves). serving: full participant. weight_sync: invisible to trainers,
+    # averages with weight 0. optimizer_sync: serves, but its samples do not count.
+    phase: Phase | None = None
+    # When to download the stage's state from live replicas: auto (when they are more than
+    # sync.stale_after_steps ahead), always (whenever one exists), never.
+    download: Literal["auto", "always", "never"] = "auto"
     # Write checkpoints here (every [checkpoint] every_steps steps and on a clean stop); one
     # directory per worker. None: no checkpoints.
     checkpoint_dir: str | None = None
     resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir, if any
 
     def __post_init__(self) -> None:
-        require(self.phase in set(Phase), "phase", f"must be one of {', '.join(Phase)}")
-        object.__setattr__(self, "phase", Phase(self.phase))  # a name given as a string
+        if self.phase is not None:
+            require(self.phase in set(Phase), "phase", f"must be one of {', '.join(Phase)}")
+            object.__setattr__(self, "phase", Phase(self.phase))  # a name given as a string
+        require(self.download in ("auto", "always", "never"), "download", "must be auto, always or never")
         require(
             self.max_batch_samples is None or self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1"
         )

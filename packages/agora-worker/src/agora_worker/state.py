@@ -26,6 +26,7 @@ from torch import nn
 from agora_core.errors import AgoraError
 from agora_worker.optimizer import HostOptimizer
 
+PARAM_PREFIX = "param/"
 ADAM_FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
 

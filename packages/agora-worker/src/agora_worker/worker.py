@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 
 from agora_core.config import RunConfig
-from agora_core.contract import Method, StageRole
-from agora_core.errors import BadRequest, StageMismatch
+from agora_core.contract import Method, Phase, StageRole
+from agora_core.errors import BadRequest, NotServing, StageMismatch
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -28,6 +28,7 @@ from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
+from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
 from agora_worker.progress import StageProgressTracker
@@ -75,6 +76,12 @@ class Worker:
             max_batch_tokens=max_tokens,
             metrics=self.metrics,
         )
+        self.state = StageState(self.module, self.optimizer)
+        self._m_phase = self.metrics.gauge(
+            "agora_worker_phase", "1 for the phase the worker is in.", ["phase"]
+        )
+        self.phases = PhaseTracker(run.sync, override=self.settings.phase, on_change=self._phase_changed)
+        self._set_phase_metric(self.phases.phase)
         self.node = RunNode(
             run=run,
             key=key,
@@ -95,6 +102,16 @@ class Worker:
             (Method.PROGRESS_POKE, self._on_poke),
         ):
             self.server.register(method, handler)
+        self.ready = False  # its state is in place (downloaded or its own): it may donate it
+        self.donor = StateDonor(
+            state=self.state,
+            runtime=self.runtime,
+            config=run.join,
+            node_id=key.node_id,
+            ready=lambda: self.ready,
+            metrics=self.metrics,
+        )
+        self.donor.register(self.server)
         untrained = [p for p in self.module.parameters() if not p.requires_grad]
         self.averager = Averager(
             config=run.averaging,
@@ -111,7 +128,7 @@ class Worker:
             tensors=list(self.optimizer.master) + untrained,  # dummy parameters travel too
             metrics=self.metrics,
             address=lambda: self.address or "",
-            phase=lambda: self.settings.phase,
+            phase=lambda: self.phases.phase,
         )
         self.progress = StageProgressTracker(
             dht=self.dht,
@@ -123,7 +140,7 @@ class Worker:
             # A worker in optimizer sync trains, but its samples do not count toward the batch.
             local=lambda: (
                 self.optimizer.step,
-                self.optimizer.samples if self.settings.phase.counts_samples else 0,
+                self.optimizer.samples if self.phases.phase.counts_samples else 0,
             ),
             take_step=self.take_step,
             address=lambda: self.address or "",
@@ -139,7 +156,23 @@ class Worker:
             interval_s=self.settings.announce_interval_s,
             describe=self.describe,
         )
+        self.joiner = Joiner(
+            run=run,
+            stage=stage,
+            node_id=key.node_id,
+            dht=self.dht,
+            client=self.client,
+            runtime=self.runtime,
+            state=self.state,
+            phases=self.phases,
+            metrics=self.metrics,
+            policy=self.settings.download,
+            resume=self._resume_from_checkpoint,
+            announce=self.announcer.announce,
+        )
+        self.joined: JoinOutcome | None = None
         self._tasks: list[asyncio.Task] = []
+        self._announcing: set[asyncio.Task] = set()
         self.address: str | None = None
         self.last_step: StepReport | None = None
         self._m_step = self.metrics.gauge("agora_worker_optimizer_step", "Optimizer steps taken.")
@@ -148,7 +181,6 @@ class Worker:
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
         # --- checkpoints (--checkpoint-dir, --resume) -------------------------------------------
-        self.state = StageState(self.module, self.optimizer)
         self.checkpoints = (
             CheckpointStore(self.settings.checkpoint_dir, run=run, stage=stage, keep=run.checkpoint.keep)
             if self.settings.checkpoint_dir
@@ -169,9 +201,11 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> str:
+        """Serve, join the DHT, take up the stage's state (``Joiner``), announce, train."""
         self.address = await self.node.start()
         self.runtime.start()
-        await self._resume_from_checkpoint()
+        self.joined = await self.joiner.join()
+        self.ready = True
         await self.announcer.announce()  # visible to trainers before the first refresh
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -185,6 +219,9 @@ class Worker:
             address=self.address,
             device=str(self.device),
             max_batch=self.max_batch,
+            phase=self.phases.phase,
+            state_source=self.joined.source,
+            step=self.optimizer.step,
         )
         return self.address
 
@@ -196,6 +233,7 @@ class Worker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.averager.stop()
+        self.donor.close()
         await self.announcer.withdraw()
         await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
         if self.checkpoint_writer is not None:  # the last state, while the compute thread runs
@@ -211,7 +249,10 @@ class Worker:
         self._m_step.set(report.step)
         self._m_norm.set(report.grad_norm)
         self._m_lr.set(report.lr)
-        self.averager.on_step(report.step)
+        stage_step = self.progress.stage_step
+        self.phases.advance(report.step, stage_step=stage_step)
+        if report.step >= stage_step:  # catching up: the stage held these rounds already
+            self.averager.on_step(report.step)
         if self.checkpoint_writer is not None:
             self.checkpoint_writer.on_step(report.step)
         log.info(
@@ -257,6 +298,19 @@ class Worker:
             "writing": writer.writing,
         }
 
+    def _set_phase_metric(self, phase: Phase) -> None:
+        for each in Phase:
+            self._m_phase.labels(phase=each.value).set(1.0 if each is phase else 0.0)
+
+    def _phase_changed(self, phase: Phase) -> None:
+        """Tell trainers and peers at once, not at the next refresh."""
+        self._set_phase_metric(phase)
+        if self.address is None or not self._tasks:
+            return  # not started yet: start() announces
+        task = asyncio.get_running_loop().create_task(self.announcer.announce())
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+
     def describe(self) -> WorkerAnnouncement:
         runtime = self.runtime
         throughput = runtime.samples_processed / runtime.compute_seconds if runtime.compute_seconds else 0.0
@@ -264,7 +318,7 @@ class Worker:
             node_id=self.key.node_id,
             address=self.address or "",
             stage=self.stage,
-            phase=self.settings.phase,
+            phase=self.phases.phase,
             throughput=throughput,
             load=runtime.queued_samples,
             max_batch=self.max_batch,
@@ -278,6 +332,9 @@ class Worker:
         stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
         if stage != self.stage:
             raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self.stage}")
+        phase = self.phases.phase
+        if not phase.visible_to_trainers:
+            raise NotServing(f"this worker is in {phase} and serves no batches yet")
         return tensors
 
     def _inputs(self, tensors: dict, *, boundary: bool, labels: bool = False, grad: bool = False) -> dict:
@@ -353,7 +410,9 @@ class Worker:
                 "processed_by_op": dict(runtime.samples_by_op),
                 "recent_batch_sizes": list(runtime.batch_sizes),
                 "max_batch": self.max_batch,
-                "phase": self.settings.phase,
+                "phase": self.phases.phase,
+                "phase_steps_left": self.phases.steps_left(self.optimizer.step),
+                "join": None if self.joined is None else self.joined.info(),
                 "averaging": self.averager.info(),
                 "checkpoint": self._checkpoint_info(),
                 "version": __version__,

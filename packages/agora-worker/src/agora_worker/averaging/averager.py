@@ -125,7 +125,8 @@ class Averager:
 
     async def _expected_peers(self) -> set[str]:
         found = await self._dht.get(stage_workers_key(self._run_name, self._stage))
-        return {self._key.node_id} | {a.node_id for a in parse_entries(found, WorkerAnnouncement.from_value)}
+        announced = parse_entries(found, WorkerAnnouncement.from_value)
+        return {self._key.node_id} | {a.node_id for a in announced if a.phase.averages}
 
     def info(self) -> dict:
         """Where the running round stands (for worker.info: operators, tools and tests)."""

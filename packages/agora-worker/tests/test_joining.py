@@ -1,0 +1,237 @@
+"""Joining a live stage on real sockets: a newcomer downloads a replica's state (bit-exact,
+from several donors, past a donor that dies or lies), then syncs before it serves; workers of
+a fresh run serve at once from their own weights."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from agora_core.config import RunConfig, SurrogateConfig
+from agora_core.config.run import DhtConfig, JoinConfig, ModelConfig, OptimizerConfig, SyncConfig
+from agora_core.contract import Method, Phase
+from agora_core.dht import DhtNode
+from agora_core.errors import BadRequest, NotServing
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_core.testing import wait_until_async
+from agora_worker.joining import PhaseTracker, StateDownloadFailed, download_state
+from agora_worker.joining.donor import manifest_payload
+from agora_worker.settings import WorkerSettings
+from agora_worker.worker import Worker
+
+DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)
+MODEL = ModelConfig(
+    d_model=32, n_heads=2, mlp_ratio=2.0, subspace_rank=4, vocab_size=256, seq_len=8, stage_layers=(1, 1, 1)
+)
+SYNC = SyncConfig(weight_sync_steps=4, optimizer_sync_steps=2, stale_after_steps=3)
+RUN = RunConfig(
+    name="j", seed=5, model=MODEL, dht=DHT, sync=SYNC, optimizer=OptimizerConfig(target_batch_size=4)
+)
+# Surrogate stages with a 4 MiB untrained tensor: big enough to be cut into pieces.
+BIG = dataclasses.replace(
+    RUN,
+    model=dataclasses.replace(MODEL, kind="surrogate", surrogate=SurrogateConfig(dummy_parameters=1 << 20)),
+    join=JoinConfig(piece_bytes=64 * 1024, pieces_in_flight=2, piece_timeout_s=3.0),
+)
+FAST = WorkerSettings(
+    device="cpu", max_batch_samples=16, progress_interval_s=0.05, announce_interval_s=0.2, shutdown_grace_s=5
+)
+
+
+@pytest.fixture
+async def seed():
+    node = DhtNode(key=NodeKey.generate(), config=DHT)
+    await node.start()
+    yield node
+    await node.stop()
+
+
+@pytest.fixture
+async def workers(seed):
+    started: list[Worker] = []
+
+    async def make(stage: int, run: RunConfig = RUN, link: LinkConfig | None = None, **settings) -> Worker:
+        worker = Worker(
+            run=run,
+            stage=stage,
+            key=NodeKey.generate(),
+            bootstrap=[seed.address],
+            settings=dataclasses.replace(FAST, **settings),
+            link=LinkEmulator(link) if link else None,
+        )
+        started.append(worker)
+        await worker.start()
+        return worker
+
+    yield make
+    await asyncio.gather(*(w.stop(grace_s=1) for w in started), return_exceptions=True)
+
+
+@pytest.fixture
+async def client():
+    cli = RpcClient()
+    yield cli
+    await cli.close()
+
+
+async def capture(worker: Worker):
+    return await asyncio.wrap_future(worker.runtime.call(worker.state.capture))
+
+
+async def train_and_step(worker: Worker, client: RpcClient, steps: int) -> None:
+    """One real backward (so AdamW has moments), then ``steps`` steps of the stage."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (2, 8), dtype=np.int64)
+    grad = rng.standard_normal((2, 8, 4)).astype(np.float32)
+    await client.call(worker.address, Method.BACKWARD, {"stage": 0}, {"tokens": tokens, "grad": grad})
+    for _ in range(steps):
+        await worker.take_step()
+    assert worker.last_step is not None
+
+
+async def test_workers_of_a_fresh_run_serve_from_their_own_weights(workers):
+    first, second = await workers(0), await workers(0)
+    for worker in (first, second):
+        assert worker.joined.source == "initial" and worker.joined.step == 0
+        assert worker.phases.phase is Phase.SERVING
+
+
+async def test_a_newcomer_downloads_a_replica_bit_exact_and_syncs_before_it_serves(workers, client):
+    donor = await workers(0)
+    await train_and_step(donor, client, steps=SYNC.stale_after_steps + 3)
+    await wait_until_async(lambda: donor.progress.stage_step == donor.optimizer.step, what="donor progress")
+    newcomer = await workers(0)
+    assert newcomer.joined.source == "peers" and newcomer.joined.donors == [donor.key.node_id]
+    assert newcomer.optimizer.step == donor.optimizer.step
+    mine, theirs = await capture(newcomer), await capture(donor)
+    assert any(name.startswith("adam/") for name in theirs.tensors)  # moments travelled too
+    assert mine.digests() == theirs.digests()  # weights and moments bit-exact
+    # Weight sync: invisible and refusing batches, until the stage took its steps.
+    assert newcomer.phases.phase is Phase.WEIGHT_SYNC
+    with pytest.raises(NotServing):
+        await client.call(
+            newcomer.address, Method.FORWARD, {"stage": 0}, {"tokens": np.zeros((1, 8), np.int64)}
+        )
+    for _ in range(SYNC.weight_sync_steps):
+        await donor.take_step()
+    await wait_until_async(lambda: newcomer.phases.phase is Phase.OPTIMIZER_SYNC, what="optimizer sync")
+    reply = await client.call(
+        newcomer.address, Method.FORWARD, {"stage": 0}, {"tokens": np.zeros((1, 8), np.int64)}
+    )
+    assert reply.tensors["boundary"].shape == (1, 8, 4)
+    for _ in range(SYNC.optimizer_sync_steps):
+        await donor.take_step()
+    await wait_until_async(lambda: newcomer.phases.phase is Phase.SERVING, what="serving")
+
+
+async def test_a_download_spreads_over_donors_and_survives_one_dying(workers, client):
+    first = await workers(1, BIG, link=LinkConfig(up_bits_per_s=40e6))
+    reference = await capture(first)
+    others = []
+    for _ in range(2):  # the same state on every donor: any of them may serve any piece
+        donor = await workers(1, BIG, link=LinkConfig(up_bits_per_s=40e6))
+        await asyncio.wrap_future(donor.runtime.call(lambda d=donor: d.state.install(reference)))
+        others.append(donor)
+    donors = [first, *others]
+    expected = first.state.expected_specs()
+    required = {s.name for s in first.state.param_specs()}
+    task = asyncio.get_running_loop().create_task(
+        download_state(
+            client, [d.address for d in donors], expected=expected, required=required, config=BIG.join
+        )
+    )
+    served = lambda d: d.metrics.sample_value("agora_state_served_bytes_total") or 0  # noqa: E731
+    await wait_until_async(lambda: served(others[0]) > 0, what="the first donor's bytes")
+    await others[0].stop(grace_s=0)  # gone mid-transfer
+    snapshot, download = await task
+    assert snapshot.digests() == reference.digests()
+    by_donor = {d.address: d.fetched_bytes for d in download.donors}
+    assert all(by_donor[d.address] > 0 for d in donors)
+    assert download.failed_pieces > 0
+    assert sum(by_donor.values()) == download.total_bytes  # nothing that arrived was fetched again
+
+
+async def test_a_lying_donor_is_caught_by_the_digest_and_its_tensor_refetched(workers, client):
+    honest = await workers(1, BIG)
+    truth = await capture(honest)
+    liar = RpcServer(listen="127.0.0.1:0")
+
+    async def manifest(request):
+        return manifest_payload("lie", "liar", truth)
+
+    async def fetch(request):
+        data = truth.tensors[request.meta["name"]].reshape(-1).view(np.uint8)
+        start = request.meta["offset"]
+        piece = data[start : start + request.meta["length"]].copy()
+        piece[0] ^= 1
+        return Payload({"offset": start}, {"data": piece})
+
+    liar.register(Method.STATE_MANIFEST, manifest)
+    liar.register(Method.STATE_FETCH, fetch)
+    await liar.start()
+    try:
+        expected = honest.state.expected_specs()
+        snapshot, download = await download_state(
+            client, [liar.address, honest.address], expected=expected, config=BIG.join
+        )
+        assert snapshot.digests() == truth.digests()
+        assert download.refetched_tensors >= 1
+        # The liar alone cannot deliver a verified state.
+        with pytest.raises(StateDownloadFailed):
+            await download_state(client, [liar.address], expected=expected, config=BIG.join)
+    finally:
+        await liar.stop()
+
+
+async def test_a_donor_refuses_fetches_outside_its_snapshot(workers, client):
+    donor = await workers(1, BIG)
+    manifest = await client.call(donor.address, Method.STATE_MANIFEST)
+    snapshot, name = manifest.meta["snapshot"], manifest.meta["tensors"][0][0]
+    for meta in (
+        {"snapshot": "nope", "name": name, "offset": 0, "length": 8},
+        {"snapshot": snapshot, "name": "param/none", "offset": 0, "length": 8},
+        {"snapshot": snapshot, "name": name, "offset": -1, "length": 8},
+        {"snapshot": snapshot, "name": name, "offset": 0, "length": BIG.join.piece_bytes + 1},
+    ):
+        with pytest.raises(BadRequest):
+            await client.call(donor.address, Method.STATE_FETCH, meta)
+    assert (await client.call(donor.address, Method.WORKER_INFO)).meta["stage"] == 1  # still serving
+
+
+def test_sync_phases_run_their_steps_then_serve_and_a_lagging_worker_resyncs():
+    changes: list[Phase] = []
+    phases = PhaseTracker(SYNC, on_change=changes.append)
+    assert phases.phase is Phase.SERVING  # a worker on its own state serves at once
+    phases.start_sync(10, reason="downloaded")
+    assert phases.phase is Phase.WEIGHT_SYNC and phases.steps_left(10) == SYNC.weight_sync_steps
+    phases.advance(10 + SYNC.weight_sync_steps - 1, stage_step=10 + SYNC.weight_sync_steps - 1)
+    assert phases.phase is Phase.WEIGHT_SYNC
+    step = 10 + SYNC.weight_sync_steps
+    phases.advance(step, stage_step=step)
+    assert phases.phase is Phase.OPTIMIZER_SYNC
+    phases.advance(step + SYNC.optimizer_sync_steps, stage_step=step + SYNC.optimizer_sync_steps)
+    assert phases.phase is Phase.SERVING
+    step += SYNC.optimizer_sync_steps
+    phases.advance(step, stage_step=step + SYNC.stale_after_steps)  # behind, but not too far
+    assert phases.phase is Phase.SERVING
+    phases.advance(step, stage_step=step + SYNC.stale_after_steps + 1)
+    assert phases.phase is Phase.WEIGHT_SYNC and phases.since_step == step + SYNC.stale_after_steps + 1
+    assert changes == [Phase.WEIGHT_SYNC, Phase.OPTIMIZER_SYNC, Phase.SERVING, Phase.WEIGHT_SYNC]
+
+
+def test_an_operator_override_pins_the_phase():
+    phases = PhaseTracker(SYNC, override=Phase.OPTIMIZER_SYNC)
+    phases.start_sync(0, reason="downloaded")
+    phases.advance(100, stage_step=200)
+    assert phases.phase is Phase.OPTIMIZER_SYNC and phases.steps_left(100) is None
+
+
+def test_phases_of_zero_steps_are_skipped():
+    phases = PhaseTracker(SyncConfig(weight_sync_steps=0, optimizer_sync_steps=0))
+    phases.start_sync(7, reason="downloaded")
+    assert phases.phase is Phase.SERVING

@@ -60,13 +60,19 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
+# Shorter sync phases than tiny.toml's, so a newcomer serves well before the run ends.
+EDITS = {
+    "stage_layers": "stage_layers = [1, 1, 1]",
+    "weight_sync_steps": "weight_sync_steps = 10",
+    "optimizer_sync_steps": "optimizer_sync_steps = 3\nstale_after_steps = 5",
+}
+
+
 @pytest.fixture
 def config(tmp_path) -> Path:
-    """examples/tiny.toml with three stages."""
+    """examples/tiny.toml with three stages and shorter sync phases."""
     text = (ROOT / "examples" / "tiny.toml").read_text()
-    lines = [
-        "stage_layers = [1, 1, 1]" if line.startswith("stage_layers") else line for line in text.splitlines()
-    ]
+    lines = [next((v for k, v in EDITS.items() if line.startswith(k)), line) for line in text.splitlines()]
     path = tmp_path / "e2e.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -273,19 +279,33 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     at_kill = len(swarm.losses())
     swarm.while_running(lambda: len(swarm.losses()) >= at_kill + 150, what="training on one stage-1 worker")
     assert "added worker-1-2" in swarm.command("add-worker", "1", timeout_s=ADD_S)
-    # The arrival trains on samples and steps with the stage: once it has run backwards (its
-    # gradients accumulated), a later step of its own applies a gradient over samples.
+    # The arrival downloads the stage's state (it is more than stale_after_steps behind), is
+    # invisible to the trainer through weight sync, then trains on samples and steps with the
+    # stage: once it has run backwards, a later step of its own applies a gradient.
     trained_at: list[int] = []
+    phases: list[str] = []
+    visible_at: list[int] = []  # samples completed when it first became visible
 
     def newcomer_stepped_with_samples() -> bool:
         info = swarm.worker_info("worker-1-2")
         if info is None:
             return False
         assert info["stage"] == 1
+        if not phases or phases[-1] != info["phase"]:
+            phases.append(info["phase"])
+        if not visible_at and info["phase"] in ("optimizer_sync", "serving"):
+            visible_at.append(len(swarm.losses()))
+        if info["phase"] == "weight_sync":
+            assert sum(info["processed_by_op"].values()) == 0, "it served batches in weight sync"
         if not trained_at and info["processed_by_op"].get("backward", 0) > 0:
             trained_at.append(info["step"])
         last = info["last_step"]
-        return bool(trained_at) and last is not None and last["step"] > trained_at[0] and last["applied"]
+        done = bool(trained_at) and last is not None and last["applied"] and last["step"] > trained_at[0]
+        if done:
+            joined = info["join"]  # its installed state read back equalled the donors' bytes
+            assert joined["source"] == "peers" and joined["donors"] and joined["verified"], joined
+            assert info["refused_while_invisible"] == 0, "a trainer routed to it while it was invisible"
+        return done
 
     swarm.while_running(newcomer_stepped_with_samples, what="the newcomer to step with samples it trained")
     output = swarm.wait_done()
@@ -294,6 +314,11 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     assert sorted(losses) == list(range(SAMPLES)), output  # nothing lost to the departure
     curve = np.array([losses[i] for i in range(SAMPLES)])
     assert curve[-128:].mean() < 0.75 * curve[:64].mean()
+    assert phases[0] in ("downloading", "weight_sync") and "weight_sync" in phases, phases
+    # No spike when it joins: the samples after it became visible fare no worse than those before.
+    at = visible_at[0]
+    before, after = curve[max(0, at - 64) : at].mean(), curve[at : at + 64].mean()
+    assert after < 1.1 * before, f"loss {before:.3f} before it joined, {after:.3f} after"
     assert not [m["pid"] for m in swarm.members() if _running(m["pid"])], "the swarm left processes behind"
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import click
 
+from agora_core.contract import Phase
 from agora_core.dht import DhtNode, RecordRejected
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
@@ -68,10 +69,12 @@ class StatusReader:
 
     async def snapshot(self) -> dict:
         name, stages = self.run.name, self.run.model.n_stages
-        workers, steps, averaging = [], [], []
+        workers, joining, steps, averaging = [], [], [], []
         for stage in range(stages):
             announced = await self._values(stage_workers_key(name, stage), WorkerAnnouncement.from_value)
-            workers.append(len(announced))
+            syncing = sum(a.phase is not Phase.SERVING for a in announced)
+            workers.append(len(announced) - syncing)
+            joining.append(syncing)
             progress = await self._values(stage_progress_key(name, stage), StageProgress.from_value)
             steps.append(max((p.step for p in progress), default=0))
             summaries = await self._values(averaging_summary_key(name, stage), averaging_summary)
@@ -88,6 +91,7 @@ class StatusReader:
         return {
             "steps": steps,
             "workers": workers,
+            "joining": joining,
             "samples": sum(t.samples for t in trainers),
             "loss": sum(losses) / len(losses) if losses else None,
             "tokens_per_s": rate,
@@ -99,9 +103,12 @@ def format_status(s: dict, elapsed: float) -> str:
     loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
     rate = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}"
     avg = "-" if s["averaging_success"] is None else f"{s['averaging_success']:.2f}"
+    joining = s.get("joining") or [0] * len(s["workers"])
+    workers = ", ".join(f"{n}+{j}" if j else str(n) for n, j in zip(s["workers"], joining, strict=True))
+    legend = " (+ joining: downloading or syncing)" if any(joining) else ""
     return (
         f"[{elapsed:6.0f} s] step/stage {s['steps']}  loss {loss}  tokens/s {rate}  "
-        f"samples {s['samples']}  workers/stage {s['workers']}  averaging {avg}"
+        f"samples {s['samples']}  workers/stage [{workers}]{legend}  averaging {avg}"
     )
 
 

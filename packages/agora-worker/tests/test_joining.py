@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -107,6 +108,7 @@ async def test_a_newcomer_downloads_a_replica_bit_exact_and_syncs_before_it_serv
     await wait_until_async(lambda: donor.progress.stage_step == donor.optimizer.step, what="donor progress")
     newcomer = await workers(0)
     assert newcomer.joined.source == "peers" and newcomer.joined.donors == [donor.key.node_id]
+    assert newcomer.joined.verified
     assert newcomer.optimizer.step == donor.optimizer.step
     mine, theirs = await capture(newcomer), await capture(donor)
     assert any(name.startswith("adam/") for name in theirs.tensors)  # moments travelled too
@@ -129,6 +131,19 @@ async def test_a_newcomer_downloads_a_replica_bit_exact_and_syncs_before_it_serv
     await wait_until_async(lambda: newcomer.phases.phase is Phase.SERVING, what="serving")
 
 
+async def test_a_worker_that_falls_far_behind_its_stage_resyncs(workers):
+    laggard, leader = await workers(0), await workers(0)
+    assert laggard.phases.phase is Phase.SERVING
+    stalled = threading.Event()  # the laggard's compute thread hangs: it cannot step
+    laggard.runtime.call(stalled.wait)
+    for _ in range(2 * SYNC.stale_after_steps + 2):  # far enough ahead whatever it read last
+        await leader.take_step()
+    stalled.set()
+    await wait_until_async(lambda: laggard.optimizer.step == leader.optimizer.step, what="catching up")
+    assert laggard.phases.phase is Phase.WEIGHT_SYNC and laggard.phases.since_step == leader.optimizer.step
+    assert leader.phases.phase is Phase.SERVING
+
+
 async def test_a_download_spreads_over_donors_and_survives_one_dying(workers, client):
     first = await workers(1, BIG, link=LinkConfig(up_bits_per_s=40e6))
     reference = await capture(first)
@@ -147,6 +162,15 @@ async def test_a_download_spreads_over_donors_and_survives_one_dying(workers, cl
     )
     served = lambda d: d.metrics.sample_value("agora_state_served_bytes_total") or 0  # noqa: E731
     await wait_until_async(lambda: served(others[0]) > 0, what="the first donor's bytes")
+    # Donors keep serving batches while they serve their state.
+    boundary = np.zeros((1, 8, 4), np.float32)
+    reply = await client.call(
+        first.address,
+        Method.FORWARD,
+        {"stage": 1},
+        {"tokens": np.zeros((1, 8), np.int64), "boundary": boundary},
+    )
+    assert reply.tensors["boundary"].shape == (1, 8, 4) and not task.done()
     await others[0].stop(grace_s=0)  # gone mid-transfer
     snapshot, download = await task
     assert snapshot.digests() == reference.digests()

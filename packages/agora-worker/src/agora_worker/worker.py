@@ -171,6 +171,7 @@ class Worker:
             announce=self.announcer.announce,
         )
         self.joined: JoinOutcome | None = None
+        self.refused_while_invisible = 0
         self._tasks: list[asyncio.Task] = []
         self._announcing: set[asyncio.Task] = set()
         self.address: str | None = None
@@ -334,6 +335,7 @@ class Worker:
             raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self.stage}")
         phase = self.phases.phase
         if not phase.visible_to_trainers:
+            self.refused_while_invisible += 1  # a trainer routed here though it could not see us
             raise NotServing(f"this worker is in {phase} and serves no batches yet")
         return tensors
 
@@ -413,6 +415,7 @@ class Worker:
                 "phase": self.phases.phase,
                 "phase_steps_left": self.phases.steps_left(self.optimizer.step),
                 "join": None if self.joined is None else self.joined.info(),
+                "refused_while_invisible": self.refused_while_invisible,
                 "averaging": self.averager.info(),
                 "checkpoint": self._checkpoint_info(),
                 "version": __version__,

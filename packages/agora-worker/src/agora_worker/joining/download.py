@@ -248,7 +248,7 @@ class StateDownload:
         donor.alive = False
         log.warning("state_donor_dropped", donor=donor.address, error=why[:300])
         for job in self._jobs.values():
-            if job.verified:
+            if job.verified or job.arrived == job.pieces:  # done, or its digest being checked
                 continue
             returned = [i for i, d in job.in_flight.items() if d is donor]
             for index in returned:

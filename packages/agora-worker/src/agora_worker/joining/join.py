@@ -35,7 +35,7 @@ from agora_core.schema import (
 from agora_worker.joining.download import DownloadProgress, StateDownloadFailed, download_state
 from agora_worker.joining.phases import PhaseTracker
 from agora_worker.runtime import Runtime
-from agora_worker.state import StageState
+from agora_worker.state import StageState, StateMismatch, StateSnapshot
 
 log = get_logger("worker.join")
 
@@ -53,6 +53,7 @@ class JoinOutcome:
     download_s: float = 0.0
     failed_pieces: int = 0
     refetched_tensors: int = 0
+    verified: bool = False  # the installed state read back equals the donors' snapshot digests
 
     def info(self) -> dict:
         rate = self.download_bytes / self.download_s if self.download_s else 0.0
@@ -66,6 +67,7 @@ class JoinOutcome:
             "rate_bytes_per_s": round(rate),
             "failed_pieces": self.failed_pieces,
             "refetched_tensors": self.refetched_tensors,
+            "verified": self.verified,
         }
 
 
@@ -191,6 +193,7 @@ class Joiner:
                 await asyncio.wrap_future(
                     self._runtime.call(functools.partial(self._state.install, snapshot))
                 )
+                await self._check_installed(snapshot)
             except (StateDownloadFailed, AgoraError) as exc:
                 log.warning("state_download_failed", attempt=attempt, error=str(exc))
                 continue
@@ -215,8 +218,19 @@ class Joiner:
                 download_s=seconds,
                 failed_pieces=download.failed_pieces,
                 refetched_tensors=download.refetched_tensors,
+                verified=True,
             )
         return None
+
+    async def _check_installed(self, snapshot: StateSnapshot) -> None:
+        """Read the installed state back: it must be the donors' bytes, bit for bit."""
+        installed = await asyncio.wrap_future(self._runtime.call(self._state.capture))
+        ours, theirs = await asyncio.to_thread(lambda: (installed.digests(), snapshot.digests()))
+        wrong = sorted(name for name, digest in theirs.items() if ours.get(name) != digest)
+        if wrong:
+            raise StateMismatch(
+                f"installed state differs from the donors' in {len(wrong)} tensors, e.g. {wrong[0]}"
+            )
 
     def _report(self, progress: DownloadProgress) -> None:
         self.progress = progress

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Join benchmark: a stage's state downloaded over an emulated link, and time to full service.
+
+    python benchmarks/join.py [--mb 200] [--link up=200M,down=200M,latency=40ms] [--skip-swarm] [--json]
+
+(a) State download. Real ``agora-worker`` processes serve a surrogate stage whose untrained
+    tensor makes its state ``--mb`` MB. Three donors hold the same state (the second and third
+    downloaded it from the first). A joiner behind the emulated link downloads it from one
+    donor, then another joiner from three. Figure ``state_download_vs_link`` = bytes /
+    (download time x the link's download rate), target >= 0.8; the download time runs from the
+    first manifest request to the verified state installed.
+(b) Time to serve. A local swarm of ``examples/tiny.toml`` trains; once its stages are past
+    ``sync.stale_after_steps``, ``swarm.py add-worker`` starts a newcomer. Figures: seconds from
+    the process start to its state installed, to the end of weight sync, to the end of
+    optimizer sync, and to its first forward served after both; the baseline is the time the
+    stage takes for the sync phases' steps (``weight_sync_steps + optimizer_sync_steps``) at
+    the step rate measured meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.config import load_run_config
+from agora_core.contract import Method
+from agora_core.dht import DhtNode
+from agora_core.errors import AgoraError
+from agora_core.identity import NodeKey
+from agora_core.linkemu import LinkConfig
+from agora_core.logs import configure_logging
+from agora_core.rpc import RpcClient
+from agora_core.testing import spawn_python
+
+ROOT = Path(__file__).resolve().parent.parent
+SWARM = str(ROOT / "tools" / "swarm.py")
+ENV = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+
+
+def write_config(folder: Path, name: str, *, mb: float, donors: int) -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(
+        f'name = "join"\n[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 2\nsubspace_rank = 16\n'
+        f"seq_len = 128\nvocab_size = 256\nstage_layers = [1, 1]\n"
+        f"[model.surrogate]\ndummy_parameters = {int(mb * 1e6 / 4)}\n"
+        "[averaging]\nenabled = false\n[optimizer]\ntarget_batch_size = 1000000\n"
+        f"[join]\nmax_donors = {donors}\n"
+        "[dht]\ngossip_period_s = 0.5\nprobe_timeout_s = 0.25\n"
+    )
+    return path
+
+
+async def info(client: RpcClient, address: str) -> dict:
+    return (await client.call(address, Method.WORKER_INFO, timeout_s=10)).meta
+
+
+def worker_args(config: Path, seed: str, folder: Path, name: str, *extra: str) -> list[str]:
+    args = ["-m", "agora_worker", "run", "--config", str(config), "--stage", "0", "--bootstrap", seed]
+    return [*args, "--device", "cpu", "--key-file", str(folder / f"{name}.key"), *extra]
+
+
+async def download_figures(report: Report, mb: float, link: str) -> None:
+    rate = LinkConfig.parse(link).down_bits_per_s
+    if rate is None:
+        raise SystemExit("--link needs a down= rate")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        folder = Path(tmp)
+        one, three = (write_config(folder, f"d{n}", mb=mb, donors=n) for n in (1, 3))
+        seed = DhtNode(key=NodeKey.generate(), config=load_run_config(three).dht)
+        await seed.start()
+        client = RpcClient()
+        try:
+            report.note(f"3 donors of a {mb:g} MB stage state")
+            for index in range(3):
+                extra = () if index == 0 else ("--download", "always", "--phase", "serving")
+                child = stack.enter_context(
+                    spawn_python(worker_args(three, seed.address, folder, f"donor{index}", *extra), env=ENV)
+                )
+                await asyncio.to_thread(child.read_until, "  serving    ", timeout_s=300)
+            for donors, config in ((1, one), (3, three)):
+                report.note(f"a joiner behind {link} downloads from {donors} donor(s)")
+                args = worker_args(config, seed.address, folder, f"joiner{donors}", "--download", "always")
+                with spawn_python([*args, "--link", link], env=ENV) as joiner:
+                    address = await asyncio.to_thread(joiner.read_until, "  serving    ", timeout_s=600)
+                    joined = (await info(client, address))["join"]
+                bits = joined["download_bytes"] * 8
+                seconds = joined["download_s"]
+                report.add(f"donors={donors} state_mb", joined["download_bytes"] / 1e6, "MB")
+                report.add(f"donors={donors} download_s", seconds, "s")
+                report.compare(
+                    f"donors={donors} state_download_vs_link",
+                    bits / seconds / 1e6,
+                    rate / 1e6,
+                    "Mbit/s",
+                    target=">= 0.8",
+                )
+                report.add(f"donors={donors} donors_used", len(joined["donors"]), "donors")
+        finally:
+            await client.close()
+            await seed.stop()
+
+
+def _members(run_dir: Path) -> dict[str, str]:
+    path = run_dir / "swarm.json"
+    if not path.exists():
+        return {}
+    return {m["name"]: m["address"] for m in json.loads(path.read_text())["members"] if m.get("address")}
+
+
+def _poll(address: str | None) -> dict | None:
+    """``worker.info`` of ``address``; None when it is unknown or does not answer."""
+
+    async def call() -> dict:
+        async with RpcClient() as client:
+            return await info(client, address)
+
+    if not address:
+        return None
+    with contextlib.suppress(AgoraError, TimeoutError):
+        return asyncio.run(call())
+    return None
+
+
+def time_to_serve(report: Report) -> None:
+    config = ROOT / "examples" / "tiny.toml"
+    sync = load_run_config(config).sync
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
+        run_dir = Path(tmp) / "run"
+        up_args = ["up", "--config", str(config), "--samples", "100000", "--run-dir", str(run_dir)]
+        up = subprocess.Popen([sys.executable, SWARM, *up_args], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            report.note(f"a tiny swarm trains until its stages pass step {sync.stale_after_steps + 5}")
+            deadline = time.monotonic() + 600
+            while True:
+                if time.monotonic() > deadline or up.poll() is not None:
+                    raise SystemExit(f"the swarm did not get going:\n{Path(log.name).read_text()}")
+                current = _poll(_members(run_dir).get("worker-1-0"))
+                if current and current["step"] > sync.stale_after_steps + 5:
+                    break
+                time.sleep(1.0)
+            step_before = current["step"]
+            started = time.monotonic()
+            adder = subprocess.Popen(
+                [sys.executable, SWARM, "add-worker", "1", "--run-dir", str(run_dir)],
+                stdout=subprocess.DEVNULL,
+            )
+            seen: dict[str, float] = {}
+            forwards_when_serving = None
+            while time.monotonic() < started + 600 and "first_forward" not in seen:
+                state = _poll(_members(run_dir).get("worker-1-2"))
+                if state is not None:
+                    now = time.monotonic() - started
+                    seen.setdefault("answered", now)
+                    seen.setdefault(state["phase"], now)
+                    if state["phase"] != "downloading":
+                        seen.setdefault("installed", now)
+                    forwards = state["processed_by_op"].get("forward", 0)
+                    if state["phase"] == "serving" and forwards_when_serving is None:
+                        forwards_when_serving = forwards
+                    if forwards_when_serving is not None and forwards > forwards_when_serving:
+                        seen["first_forward"] = now
+                time.sleep(0.2)
+            adder.wait(timeout=60)
+            current = _poll(_members(run_dir).get("worker-1-0"))
+            step_rate = (current["step"] - step_before) / (time.monotonic() - started)
+        finally:
+            up.terminate()
+            up.wait(timeout=120)
+    if "first_forward" not in seen:
+        raise SystemExit(f"the newcomer never served after syncing: phases seen {seen}")
+    phases_s = (sync.weight_sync_steps + sync.optimizer_sync_steps) / step_rate
+    report.note(f"the stage stepped {step_rate:.2f} steps/s meanwhile")
+    report.add("newcomer rpc_up_s", seen["answered"], "s after its start")
+    report.add("newcomer state_installed_s", seen["installed"], "s after its start")
+    report.add(
+        "newcomer weight_sync_done_s", seen.get("optimizer_sync", seen["serving"]), "s after its start"
+    )
+    report.add("newcomer optimizer_sync_done_s", seen["serving"], "s after its start")
+    report.compare(
+        "newcomer first_forward_after_sync_s", seen["first_forward"], phases_s, "s after its start"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=200.0, help="State size of the stage, MB.")
+    parser.add_argument(
+        "--link", default="up=200M,down=200M,latency=40ms", help="The joiners' emulated link."
+    )
+    parser.add_argument("--skip-swarm", action="store_true", help="Only the download figures (a).")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    configure_logging(fmt="console", level="warning")
+    report = Report("join", as_json=args.json)
+    asyncio.run(download_figures(report, args.mb, args.link))
+    if not args.skip_swarm:
+        time_to_serve(report)
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,9 @@ from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import averaging_summary_key
 from agora_core.testing import wait_until
+from agora_trainer.shards import open_shards
+from agora_worker.model.export import read_model
+from agora_worker.model.inference import WholeModel, held_out_loss
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,11 +234,21 @@ def swarm_factory(tmp_path):
         swarm.stop()
 
 
-def reference_losses(config: Path, shards: Path, samples: int, out: Path) -> np.ndarray:
+def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, export: Path) -> np.ndarray:
     script = str(ROOT / "tools" / "reference_train.py")
     flags = ["--config", str(config), "--shards", str(shards), "--samples", str(samples)]
     subprocess.run(
-        [sys.executable, script, *flags, "--loss-log", str(out), "--print-every", "0"],
+        [
+            sys.executable,
+            script,
+            *flags,
+            "--loss-log",
+            str(out),
+            "--print-every",
+            "0",
+            "--export",
+            str(export),
+        ],
         check=True,
         capture_output=True,
         timeout=REFERENCE_S,
@@ -263,12 +276,26 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shard
     losses = swarm.losses()
     assert sorted(losses) == list(range(SAMPLES)), output  # every sample once, none lost
     ours = np.array([losses[i] for i in range(SAMPLES)])
-    theirs = reference_losses(config, shards, SAMPLES, tmp_path / "reference.jsonl")
+    reference = tmp_path / "reference.safetensors"
+    theirs = reference_losses(config, shards, SAMPLES, tmp_path / "reference.jsonl", export=reference)
     window = slice(SAMPLES // 2, SAMPLES)  # the second half: the same samples on both sides
     gap = ours[window].mean() / theirs[window].mean() - 1
     print(f"swarm {ours[window].mean():.4f} vs reference {theirs[window].mean():.4f}: {gap:+.2%}")
     assert abs(gap) <= 0.05
     assert ours[window].mean() < 0.75 * ours[:64].mean()  # it learned
+    # The model came out (exported from the workers' last checkpoints) and scores on the shard
+    # no trainer had about as well as the centralized reference's.
+    assert "held-out loss:" in output, output
+    exported = read_model(swarm.run_dir / "model.safetensors")
+    assert exported.source == "checkpoints" and min(exported.steps) >= SAMPLES // 16 * 3 // 4, exported.steps
+    held_out = open_shards(shards)[-1]
+    samples = np.stack([held_out.sample(i * 7, swarm.run.model.seq_len) for i in range(64)])
+    swarm_loss, reference_loss = (
+        held_out_loss(WholeModel(read_model(path).modules(), seq_len=swarm.run.model.seq_len), samples)
+        for path in (swarm.run_dir / "model.safetensors", reference)
+    )
+    print(f"held-out loss: swarm {swarm_loss:.4f}, reference {reference_loss:.4f}")
+    assert abs(swarm_loss / reference_loss - 1) <= 0.05
 
 
 @pytest.mark.timeout(RUN_S + KILL_S + ADD_S + MARGIN_S, func_only=True)

@@ -92,6 +92,18 @@ def test_only_the_newest_keep_checkpoints_stay_on_disk(tmp_path):
     assert store.newest_valid().step == 4
 
 
+def test_another_runs_checkpoints_in_the_directory_neither_count_nor_go(tmp_path):
+    old_run = dataclasses.replace(RUN, name="old")
+    CheckpointStore(tmp_path, run=old_run, stage=1, keep=2).save(snapshot_at(replica(old_run), 50))
+    store = CheckpointStore(tmp_path, run=RUN, stage=1, keep=2)
+    state = replica()
+    for _ in range(3):
+        store.save(snapshot_at(state, 1))
+    assert [(m.run, m.step) for m in find_manifests(tmp_path)] == [("old", 50), ("ckpt", 3), ("ckpt", 2)]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3  # the old run's tensors stay with it
+    assert store.newest_valid().step == 3
+
+
 def newest_tensor_file(store: CheckpointStore):
     return find_manifests(store.directory)[0].tensor_path
 

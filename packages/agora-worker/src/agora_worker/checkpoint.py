@@ -111,9 +111,9 @@ def read_manifest(path: Path) -> Manifest:
     return Manifest(path=path, **{name: data[name] for name in kinds})
 
 
-def find_manifests(directory: Path) -> list[Manifest]:
-    """Every readable manifest in ``directory``, newest step first; unreadable ones are logged
-    and left out."""
+def find_manifests(directory: Path, *, warn: bool = True) -> list[Manifest]:
+    """Every readable manifest in ``directory``, newest step first; unreadable ones are left
+    out (and logged, with ``warn``)."""
     found = []
     for path in sorted(directory.glob("stage*-step*.json")):
         if not _MANIFEST_NAME.fullmatch(path.name):
@@ -121,7 +121,8 @@ def find_manifests(directory: Path) -> list[Manifest]:
         try:
             found.append(read_manifest(path))
         except CheckpointInvalid as exc:
-            log.warning("checkpoint_skipped", file=str(path), reason=str(exc))
+            if warn:
+                log.warning("checkpoint_skipped", file=str(path), reason=str(exc))
     return sorted(found, key=lambda m: (m.step, m.written), reverse=True)
 
 
@@ -238,14 +239,20 @@ class CheckpointStore:
         return None
 
     def prune(self) -> int:
-        """Delete this stage's checkpoints beyond the newest ``keep``, and tensor or partial
-        files no kept manifest names (left by a crash, or replaced); returns files removed."""
-        mine = [m for m in find_manifests(self.directory) if m.stage == self.stage]
+        """Delete this run's checkpoints of this stage beyond the newest ``keep``, and this
+        stage's tensor or partial files no manifest names (left by a crash, or replaced);
+        returns files removed. Another run's checkpoints are left alone (and never count)."""
+        found = find_manifests(self.directory, warn=False)
+        digest = config_digest(self.run)
+        mine = [
+            m for m in found if m.stage == self.stage and m.run == self.run.name and m.config_digest == digest
+        ]
         removed = 0
         for manifest in mine[self.keep :]:
             manifest.path.unlink(missing_ok=True)
             removed += 1
-        kept = {m.file for m in mine[: self.keep]}
+        dropped = {m.path for m in mine[self.keep :]}
+        kept = {m.file for m in found if m.path not in dropped}
         prefix = f"stage{self.stage}-step"
         for path in self.directory.iterdir():
             name = path.name.removeprefix(".")

@@ -27,9 +27,10 @@ from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.schema import averaging_summary_key
+from agora_core.schema import averaging_summary_key, stage_progress_key
 from agora_core.testing import wait_until
 from agora_trainer.shards import open_shards
+from agora_worker.checkpoint import CheckpointStore, find_manifests
 from agora_worker.model.export import read_model
 from agora_worker.model.inference import WholeModel, held_out_loss
 
@@ -68,6 +69,7 @@ EDITS = {
     "stage_layers": "stage_layers = [1, 1, 1]",
     "weight_sync_steps": "weight_sync_steps = 10",
     "optimizer_sync_steps": "optimizer_sync_steps = 3\nstale_after_steps = 5",
+    "every_steps": "every_steps = 10",  # checkpoints well before anything is killed
 }
 
 
@@ -355,3 +357,42 @@ def _running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(RUN_S + 2 * KILL_S + ADD_S + MARGIN_S, func_only=True)
+def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shards, swarm_factory):
+    swarm = swarm_factory(config, shards, SAMPLES)
+    directory = swarm.run_dir / "checkpoints" / "worker-1-1"
+
+    def checkpointed() -> int:
+        return max((m.step for m in find_manifests(directory)), default=0) if directory.exists() else 0
+
+    swarm.while_running(lambda: checkpointed() >= 20, what="a checkpoint of stage 1 at step 20 or later")
+    for victim in ("worker-1-1", "worker-1-0"):  # every replica of stage 1
+        assert f"killed {victim}" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
+    saved = CheckpointStore(directory, run=swarm.run, stage=1, keep=swarm.run.checkpoint.keep).newest_valid()
+    assert saved is not None and saved.step >= 20
+
+    def dead_reports_expired() -> bool:
+        # The dead replicas' progress reports are ahead of the checkpoint; a worker that saw one
+        # would step to catch up with it. They expire in seconds; a real restart takes longer.
+        with contextlib.suppress(AgoraError, TimeoutError):
+            return not swarm.dht.get(stage_progress_key(swarm.run.name, 1))
+        return False
+
+    swarm.while_running(dead_reports_expired, what="the dead replicas' progress reports to expire")
+    output = swarm.command("restart-worker", "worker-1-1", timeout_s=ADD_S)
+    assert f"resumed from step {saved.step}" in output, output
+    info = swarm.worker_info("worker-1-1")
+    assert info is not None and info["checkpoint"]["resumed_step"] == saved.step
+    assert info["join"]["source"] == "checkpoint" and saved.step <= info["step"] < saved.step + 5, info
+
+    def stepped_on_from_the_checkpoint() -> bool:
+        info = swarm.worker_info("worker-1-1")
+        last = None if info is None else info["last_step"]
+        return last is not None and last["applied"] and last["step"] > saved.step
+
+    swarm.while_running(stepped_on_from_the_checkpoint, what="the resumed worker to train on")
+    output = swarm.wait_done()
+    assert swarm.proc.returncode == 0, output
+    assert sorted(swarm.losses()) == list(range(SAMPLES)), output  # the stage's outage lost no sample

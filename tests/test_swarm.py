@@ -27,8 +27,12 @@ from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.schema import averaging_summary_key
+from agora_core.schema import averaging_summary_key, stage_progress_key
 from agora_core.testing import wait_until
+from agora_trainer.shards import open_shards
+from agora_worker.checkpoint import CheckpointStore, find_manifests
+from agora_worker.model.export import read_model
+from agora_worker.model.inference import WholeModel, held_out_loss
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +69,7 @@ EDITS = {
     "stage_layers": "stage_layers = [1, 1, 1]",
     "weight_sync_steps": "weight_sync_steps = 10",
     "optimizer_sync_steps": "optimizer_sync_steps = 3\nstale_after_steps = 5",
+    "every_steps": "every_steps = 10",  # checkpoints well before anything is killed
 }
 
 
@@ -231,11 +236,21 @@ def swarm_factory(tmp_path):
         swarm.stop()
 
 
-def reference_losses(config: Path, shards: Path, samples: int, out: Path) -> np.ndarray:
+def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, export: Path) -> np.ndarray:
     script = str(ROOT / "tools" / "reference_train.py")
     flags = ["--config", str(config), "--shards", str(shards), "--samples", str(samples)]
     subprocess.run(
-        [sys.executable, script, *flags, "--loss-log", str(out), "--print-every", "0"],
+        [
+            sys.executable,
+            script,
+            *flags,
+            "--loss-log",
+            str(out),
+            "--print-every",
+            "0",
+            "--export",
+            str(export),
+        ],
         check=True,
         capture_output=True,
         timeout=REFERENCE_S,
@@ -263,12 +278,26 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shard
     losses = swarm.losses()
     assert sorted(losses) == list(range(SAMPLES)), output  # every sample once, none lost
     ours = np.array([losses[i] for i in range(SAMPLES)])
-    theirs = reference_losses(config, shards, SAMPLES, tmp_path / "reference.jsonl")
+    reference = tmp_path / "reference.safetensors"
+    theirs = reference_losses(config, shards, SAMPLES, tmp_path / "reference.jsonl", export=reference)
     window = slice(SAMPLES // 2, SAMPLES)  # the second half: the same samples on both sides
     gap = ours[window].mean() / theirs[window].mean() - 1
     print(f"swarm {ours[window].mean():.4f} vs reference {theirs[window].mean():.4f}: {gap:+.2%}")
     assert abs(gap) <= 0.05
     assert ours[window].mean() < 0.75 * ours[:64].mean()  # it learned
+    # The model came out (exported from the workers' last checkpoints) and scores on the shard
+    # no trainer had about as well as the centralized reference's.
+    assert "held-out loss:" in output, output
+    exported = read_model(swarm.run_dir / "model.safetensors")
+    assert exported.source == "checkpoints" and min(exported.steps) >= SAMPLES // 16 * 3 // 4, exported.steps
+    held_out = open_shards(shards)[-1]
+    samples = np.stack([held_out.sample(i * 7, swarm.run.model.seq_len) for i in range(64)])
+    swarm_loss, reference_loss = (
+        held_out_loss(WholeModel(read_model(path).modules(), seq_len=swarm.run.model.seq_len), samples)
+        for path in (swarm.run_dir / "model.safetensors", reference)
+    )
+    print(f"held-out loss: swarm {swarm_loss:.4f}, reference {reference_loss:.4f}")
+    assert abs(swarm_loss / reference_loss - 1) <= 0.05
 
 
 @pytest.mark.timeout(RUN_S + KILL_S + ADD_S + MARGIN_S, func_only=True)
@@ -328,3 +357,42 @@ def _running(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(RUN_S + 2 * KILL_S + ADD_S + MARGIN_S, func_only=True)
+def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shards, swarm_factory):
+    swarm = swarm_factory(config, shards, SAMPLES)
+    directory = swarm.run_dir / "checkpoints" / "worker-1-1"
+
+    def checkpointed() -> int:
+        return max((m.step for m in find_manifests(directory)), default=0) if directory.exists() else 0
+
+    swarm.while_running(lambda: checkpointed() >= 20, what="a checkpoint of stage 1 at step 20 or later")
+    for victim in ("worker-1-1", "worker-1-0"):  # every replica of stage 1
+        assert f"killed {victim}" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
+    saved = CheckpointStore(directory, run=swarm.run, stage=1, keep=swarm.run.checkpoint.keep).newest_valid()
+    assert saved is not None and saved.step >= 20
+
+    def dead_reports_expired() -> bool:
+        # The dead replicas' progress reports are ahead of the checkpoint; a worker that saw one
+        # would step to catch up with it. They expire in seconds; a real restart takes longer.
+        with contextlib.suppress(AgoraError, TimeoutError):
+            return not swarm.dht.get(stage_progress_key(swarm.run.name, 1))
+        return False
+
+    swarm.while_running(dead_reports_expired, what="the dead replicas' progress reports to expire")
+    output = swarm.command("restart-worker", "worker-1-1", timeout_s=ADD_S)
+    assert f"resumed from step {saved.step}" in output, output
+    info = swarm.worker_info("worker-1-1")
+    assert info is not None and info["checkpoint"]["resumed_step"] == saved.step
+    assert info["join"]["source"] == "checkpoint" and saved.step <= info["step"] < saved.step + 5, info
+
+    def stepped_on_from_the_checkpoint() -> bool:
+        info = swarm.worker_info("worker-1-1")
+        last = None if info is None else info["last_step"]
+        return last is not None and last["applied"] and last["step"] > saved.step
+
+    swarm.while_running(stepped_on_from_the_checkpoint, what="the resumed worker to train on")
+    output = swarm.wait_done()
+    assert swarm.proc.returncode == 0, output
+    assert sorted(swarm.losses()) == list(range(SAMPLES)), output  # the stage's outage lost no sample

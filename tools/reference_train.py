@@ -2,6 +2,7 @@
 """The centralized reference: the swarm's model trained in one process, for comparison.
 
     python tools/reference_train.py --config RUN.toml --shards DIR --samples N [--loss-log F]
+                                    [--export MODEL.safetensors]
 
 Same seed and initial weights (every stage built by ``build_stage`` exactly as a worker
 builds it), same stage-wise clipping, same AdamW and schedule (one ``HostOptimizer`` per
@@ -9,7 +10,8 @@ stage), one optimizer step per ``target_batch_size`` samples, and the trainer's 
 order: sample 0, 1, 2, ... of the shards in folder order. Each sample's loss is the loss its
 forward pass saw, before the step its gradient goes into -- what a swarm trainer records.
 The per-sample losses go to --loss-log as JSON lines ({"id", "loss"}), like
-``agora-trainer run --loss-log``.
+``agora-trainer run --loss-log``. --export writes the trained model in the format of
+``tools/export_model.py``, so ``tools/evaluate.py`` scores both the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from agora_core.errors import ConfigError
 from agora_trainer.cursor import SampleCursor
 from agora_trainer.shards import ShardError, open_shards
 from agora_worker.model import build_stage
+from agora_worker.model.export import ExportedModel, weights_from_module, write_model
 from agora_worker.optimizer import HostOptimizer
 
 
@@ -61,8 +64,23 @@ class ReferenceModel:
         for optimizer in self.optimizers:
             optimizer.apply()
 
+    def export(self, path: Path) -> None:
+        """The trained model as one file, like ``tools/export_model.py`` writes a swarm's."""
+        weights = [weights_from_module(module) for module in self.stages]
+        steps = [optimizer.step for optimizer in self.optimizers]
+        write_model(path, ExportedModel(run=self.run, weights=weights, steps=steps, source="reference"))
 
-def train(run, shards_dir: str, samples: int, *, microbatch: int, loss_log: Path | None, every: int) -> list:
+
+def train(
+    run,
+    shards_dir: str,
+    samples: int,
+    *,
+    microbatch: int,
+    loss_log: Path | None,
+    every: int,
+    export: Path | None = None,
+) -> list:
     torch.manual_seed(run.seed)
     cursor = SampleCursor(open_shards(shards_dir), run.model.seq_len)
     if samples > cursor.total:
@@ -94,6 +112,9 @@ def train(run, shards_dir: str, samples: int, *, microbatch: int, loss_log: Path
     finally:
         if out is not None:
             out.close()
+    if export is not None:
+        model.export(export)
+        print(f"exported the trained model to {export}", flush=True)
     return losses
 
 
@@ -105,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatch", type=int, default=16, help="samples per forward pass (default 16)")
     parser.add_argument("--loss-log", type=Path, help="write one JSON line per sample here")
     parser.add_argument("--print-every", type=int, default=64, help="status line every N samples (0: none)")
+    parser.add_argument("--export", type=Path, help="write the trained model here (safetensors)")
     args = parser.parse_args(argv)
     try:
         run = load_run_config(args.config)
@@ -117,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             microbatch=args.microbatch,
             loss_log=args.loss_log,
             every=args.print_every,
+            export=args.export,
         )
     except (ConfigError, ShardError) as exc:
         print(f"reference_train: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@
                              [--samples N] [--duration S] [--run-dir DIR]
     python tools/swarm.py kill-worker STAGE [--run-dir DIR]    # SIGKILL one worker of STAGE
     python tools/swarm.py add-worker STAGE [--run-dir DIR]     # start one more worker for STAGE
+    python tools/swarm.py restart-worker NAME [--run-dir DIR]  # start a killed worker again, --resume
     python tools/swarm.py down [--run-dir DIR]                 # stop a swarm started elsewhere
 
 ``up`` makes the data shards if needed (from the Python standard library's sources), starts
@@ -12,6 +13,11 @@ everything on 127.0.0.1 with one log file per process under the run directory, p
 status line every few seconds (step per stage, loss, tokens/s, workers per stage, averaging
 success), and stops everything when the trainers are done, after --duration, or on Ctrl-C.
 The processes of a swarm are listed in RUN_DIR/swarm.json, which the other commands read.
+
+Every worker checkpoints into RUN_DIR/checkpoints/<name>/ (and once more when it stops). The
+last shard is held out: no trainer gets it. When the swarm has stopped, ``up`` exports the
+model from the workers' final checkpoints to RUN_DIR/model.safetensors and prints its loss on
+the held-out shard and a short text sample (``--no-export`` skips that).
 
 This file is the command line; starting, tracking and stopping the processes is
 ``swarm_processes.py``, reading the swarm's state and printing it is ``swarm_status.py``.
@@ -36,10 +42,12 @@ from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a s
     SwarmFile,
     alive,
     kill_last_worker,
+    restart_worker,
     start_seed,
     start_trainer,
     start_worker,
     stop_all,
+    wait_for_line,
     wait_serving,
 )
 from swarm_status import summarize, watch
@@ -50,8 +58,10 @@ DEFAULT_RUN_DIR = ROOT / "runs" / "latest"
 
 
 def ensure_shards(shards: Path, min_samples: int, seq_len: int) -> None:
+    """Make shards unless ``shards`` holds ``min_samples`` for training besides the held-out one."""
     with contextlib.suppress(Exception):
-        if sum(s.sample_count(seq_len) for s in open_shards(shards)) >= min_samples:
+        found = open_shards(shards)
+        if len(found) >= 2 and sum(s.sample_count(seq_len) for s in found[:-1]) >= min_samples:
             return
     click.echo(f"making data shards in {shards} from the Python standard library's sources ...")
     subprocess.run(
@@ -66,6 +76,26 @@ def ensure_shards(shards: Path, min_samples: int, seq_len: int) -> None:
         ],
         check=True,
     )
+
+
+def held_out(shard_files: list[Path]) -> tuple[list[Path], Path]:
+    """(the shards trainers get, the one kept for evaluation: the last)."""
+    if len(shard_files) < 2:
+        raise click.ClickException("the swarm needs two shards or more: one is held out for evaluation")
+    return shard_files[:-1], shard_files[-1]
+
+
+def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
+    """The trained model from the workers' final checkpoints, its held-out loss and a sample."""
+    model = run_dir / "model.safetensors"
+    click.echo("what did the swarm learn? exporting the model from the workers' final checkpoints ...")
+    tools = ROOT / "tools"
+    export = [sys.executable, str(tools / "export_model.py"), "--config", config, "--out", str(model)]
+    if subprocess.run([*export, "--from-checkpoints", str(run_dir / "checkpoints")]).returncode != 0:
+        click.echo("no model exported (see the error above)")
+        return
+    evaluate = [sys.executable, str(tools / "evaluate.py"), str(model), "--shards", str(shards)]
+    subprocess.run([*evaluate, "--held-out-shard", "-1", "--samples", "128", "--tokens", "160"])
 
 
 def trainer_shards(run_dir: Path, shard_files: list[Path], index: int, trainers: int) -> Path:
@@ -118,6 +148,12 @@ run_dir_option = click.option(
 @click.option(
     "--worker-arg", "worker_args", multiple=True, help="Extra argument for every worker (repeatable)."
 )
+@click.option(
+    "--export/--no-export",
+    default=True,
+    show_default=True,
+    help="At the end, export the model and print its held-out loss and a sample.",
+)
 @run_dir_option
 def up(
     config,
@@ -130,6 +166,7 @@ def up(
     status_interval,
     worker_args,
     trainer_args,
+    export,
     run_dir,
 ) -> None:
     """Start a swarm and watch it train until it is done, --duration passes, or Ctrl-C."""
@@ -146,8 +183,10 @@ def up(
         old = SwarmFile.load(run_dir)
         if any(m.alive and alive(m.pid) for m in old.members):
             raise click.ClickException(f"a swarm is already running in {run_dir}: `swarm.py down` it first")
-    # A fresh run (keys are kept): no old logs, loss curves or trainer positions.
+    # A fresh run (keys are kept): no old logs, loss curves, trainer positions, checkpoints.
     shutil.rmtree(run_dir / "data", ignore_errors=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "model.safetensors").unlink(missing_ok=True)
     for old_file in [*run_dir.glob("logs/*.log"), *run_dir.glob("*.losses.jsonl")]:
         old_file.unlink()
     (run_dir / "data").mkdir()
@@ -168,8 +207,8 @@ def up(
         for member, proc in workers:
             member.address = wait_serving(member, proc)
         swarm.save()
-        click.echo(f"  workers    {len(workers)} serving")
-        shard_files = sorted(p for p in shards.glob("*.json"))
+        click.echo(f"  workers    {len(workers)} serving, checkpoints in {run_dir / 'checkpoints'}")
+        shard_files, kept = held_out(sorted(p for p in shards.glob("*.json")))
         trainer_procs = [
             start_trainer(
                 swarm,
@@ -183,7 +222,8 @@ def up(
             for t in range(trainers)
         ]
         click.echo(
-            f"  trainers   {trainers} started; status every {status_interval:g} s (Ctrl-C stops the swarm)"
+            f"  trainers   {trainers} started on {len(shard_files)} shards ({kept.stem} held out); "
+            f"status every {status_interval:g} s (Ctrl-C stops the swarm)"
         )
         asyncio.run(watch(run, swarm.seed_address, trainer_procs, started, duration, status_interval))
     except KeyboardInterrupt:
@@ -191,6 +231,8 @@ def up(
     finally:
         stop_all(SwarmFile.load(run_dir))  # kill-worker and add-worker may have changed it
     summarize(run_dir, started, run.model.seq_len)
+    if export:
+        export_and_evaluate(run_dir, swarm.config, shards)
 
 
 @main.command("kill-worker")
@@ -217,6 +259,24 @@ def add_worker(stage, run_dir) -> None:
     member.address = wait_serving(member, proc)
     swarm.save()
     click.echo(f"added {member.name} at {member.address} (pid {member.pid})")
+
+
+@main.command("restart-worker")
+@click.argument("name")
+@run_dir_option
+def restart_worker_command(name, run_dir) -> None:
+    """Start the stopped or killed worker NAME (e.g. worker-1-0) again with --resume: same key,
+    same checkpoint directory; it continues from its newest valid checkpoint."""
+    swarm = SwarmFile.load(run_dir)
+    member = next((m for m in swarm.members if m.name == name), None)
+    if member is None:
+        workers = ", ".join(m.name for m in swarm.members if m.role == "worker")
+        raise click.BadParameter(f"no worker {name!r} in {run_dir}; its workers: {workers}")
+    proc, offset = restart_worker(swarm, member)
+    member.address = wait_serving(member, proc, after_bytes=offset)
+    swarm.save()
+    resumed = wait_for_line(proc, Path(member.log), "  resumed    ", 10.0, after_bytes=offset)
+    click.echo(f"restarted {name} at {member.address} (pid {member.pid}), resumed from {resumed}")
 
 
 @main.command()

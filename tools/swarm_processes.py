@@ -80,11 +80,17 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         log.close()
 
 
-def wait_for_line(proc: subprocess.Popen, log_path: Path, prefix: str, timeout_s: float) -> str:
-    """The rest of the first line in the child's log that starts with ``prefix``."""
+def wait_for_line(
+    proc: subprocess.Popen, log_path: Path, prefix: str, timeout_s: float, *, after_bytes: int = 0
+) -> str:
+    """The rest of the first line in the child's log that starts with ``prefix`` (after the
+    log's first ``after_bytes``: what an earlier process of the same name wrote)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in log_path.read_text(errors="replace").splitlines():
+        with open(log_path, "rb") as f:
+            f.seek(after_bytes)
+            text = f.read().decode(errors="replace")
+        for line in text.splitlines():
             if line.startswith(prefix):
                 return line[len(prefix) :].strip()
         if proc.poll() is not None:
@@ -95,9 +101,9 @@ def wait_for_line(proc: subprocess.Popen, log_path: Path, prefix: str, timeout_s
     )
 
 
-def wait_serving(member: Member, proc: subprocess.Popen) -> str:
+def wait_serving(member: Member, proc: subprocess.Popen, *, after_bytes: int = 0) -> str:
     """The address a started node serves at, once its log says so."""
-    return wait_for_line(proc, Path(member.log), SERVING_PREFIX, STARTUP_TIMEOUT_S)
+    return wait_for_line(proc, Path(member.log), SERVING_PREFIX, STARTUP_TIMEOUT_S, after_bytes=after_bytes)
 
 
 def start_seed(swarm: SwarmFile) -> subprocess.Popen:
@@ -124,6 +130,37 @@ def start_seed(swarm: SwarmFile) -> subprocess.Popen:
     return proc
 
 
+def checkpoint_dir(swarm: SwarmFile, name: str) -> Path:
+    """Where worker ``name`` keeps its checkpoints: one directory per worker."""
+    return Path(swarm.run_dir) / "checkpoints" / name
+
+
+def _worker_args(swarm: SwarmFile, stage: int, name: str, extra: tuple[str, ...]) -> list[str]:
+    run_dir = Path(swarm.run_dir)
+    return [
+        "-m",
+        "agora_worker",
+        "run",
+        "--config",
+        swarm.config,
+        "--stage",
+        str(stage),
+        "--bootstrap",
+        swarm.seed_address,
+        "--key-file",
+        str(run_dir / "keys" / f"{name}.key"),
+        "--device",
+        "cpu",
+        # steps come every second or so here: check the stage's progress often, so a step
+        # holds close to target_batch_size samples, as in the reference
+        "--progress-interval",
+        "0.1",
+        "--checkpoint-dir",
+        str(checkpoint_dir(swarm, name)),
+        *extra,
+    ]
+
+
 def start_worker(
     swarm: SwarmFile, stage: int, extra: tuple[str, ...] = ()
 ) -> tuple[Member, subprocess.Popen]:
@@ -131,33 +168,27 @@ def start_worker(
     index = sum(1 for m in swarm.members if m.role == "worker" and m.stage == stage)
     name = f"worker-{stage}-{index}"
     log = run_dir / "logs" / f"{name}.log"
-    proc = spawn(
-        [
-            "-m",
-            "agora_worker",
-            "run",
-            "--config",
-            swarm.config,
-            "--stage",
-            str(stage),
-            "--bootstrap",
-            swarm.seed_address,
-            "--key-file",
-            str(run_dir / "keys" / f"{name}.key"),
-            "--device",
-            "cpu",
-            # steps come every second or so here: check the stage's progress often, so a step
-            # holds close to target_batch_size samples, as in the reference
-            "--progress-interval",
-            "0.1",
-            *extra,
-        ],
-        log,
-    )
+    proc = spawn(_worker_args(swarm, stage, name, extra), log)
     member = Member("worker", name, proc.pid, str(log), stage=stage)
     swarm.members.append(member)
     swarm.save()
     return member, proc
+
+
+def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, int]:
+    """Start a stopped or killed worker again under its own name, key and checkpoint
+    directory, with ``--resume``: it continues from its newest valid checkpoint. Returns the
+    process and where its lines begin in the (appended) log."""
+    if member.role != "worker" or member.stage is None:
+        raise click.ClickException(f"{member.name} is not a worker")
+    if member.alive and alive(member.pid):
+        raise click.ClickException(f"{member.name} is still running (pid {member.pid})")
+    log = Path(member.log)
+    offset = log.stat().st_size if log.exists() else 0
+    proc = spawn(_worker_args(swarm, member.stage, member.name, ("--resume",)), log)
+    member.pid, member.alive, member.address = proc.pid, True, ""
+    swarm.save()
+    return proc, offset
 
 
 def start_trainer(

@@ -48,6 +48,16 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     click.echo(f"  phase      {worker.phases.phase}")
     if endpoint is not None:
         click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    if worker.checkpoints is not None:
+        every = worker.run.checkpoint.every_steps
+        click.echo(
+            f"  checkpoint {worker.checkpoints.directory} (every {every} steps, keep {worker.run.checkpoint.keep})"
+        )
+        if worker.settings.resume:
+            resumed = (
+                "none valid: started fresh" if worker.resumed_step is None else f"step {worker.resumed_step}"
+            )
+            click.echo(f"  resumed    {resumed}")
     sys.stdout.flush()
     try:
         await stop.wait()
@@ -90,6 +100,17 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     "surrogate_delay_scale",
     type=float,
     help="Surrogate stages only: multiply the injected delays (a slower node).",
+)
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False),
+    help="Write checkpoints here (every [checkpoint] every_steps steps, and on a clean stop).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    default=None,
+    help="Start from the newest valid checkpoint in --checkpoint-dir (fresh if there is none).",
 )
 def run(config_file, stage, bootstrap, **options) -> None:
     """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""

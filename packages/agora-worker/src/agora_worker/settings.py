@@ -30,6 +30,10 @@ class WorkerSettings:
     # When to download the stage's state from live replicas: auto (when they are more than
     # sync.stale_after_steps ahead), always (whenever one exists), never.
     download: Literal["auto", "always", "never"] = "auto"
+    # Write checkpoints here (every [checkpoint] every_steps steps and on a clean stop); one
+    # directory per worker. None: no checkpoints.
+    checkpoint_dir: str | None = None
+    resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir, if any
 
     def __post_init__(self) -> None:
         if self.phase is not None:
@@ -49,6 +53,9 @@ class WorkerSettings:
             "surrogate_delay_scale",
         ):
             require(getattr(self, name) > 0, name, "must be positive")
+        require(
+            not self.resume or bool(self.checkpoint_dir), "resume", "needs a checkpoint_dir to resume from"
+        )
 
 
 def batch_limits(

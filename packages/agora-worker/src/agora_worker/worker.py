@@ -26,6 +26,8 @@ from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
+from agora_worker.checkpoint import CheckpointStore
+from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
@@ -168,6 +170,7 @@ class Worker:
             phases=self.phases,
             metrics=self.metrics,
             policy=self.settings.download,
+            resume=self._resume_from_checkpoint,
             announce=self.announcer.announce,
         )
         self.joined: JoinOutcome | None = None
@@ -181,6 +184,23 @@ class Worker:
             "agora_worker_grad_norm", "Gradient norm before clipping, last step."
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+        # --- checkpoints (--checkpoint-dir, --resume) -------------------------------------------
+        self.checkpoints = (
+            CheckpointStore(self.settings.checkpoint_dir, run=run, stage=stage, keep=run.checkpoint.keep)
+            if self.settings.checkpoint_dir
+            else None
+        )
+        self.checkpoint_writer = (
+            CheckpointWriter(
+                self.checkpoints,
+                capture=lambda: self.runtime.call(self.state.capture),
+                every_steps=run.checkpoint.every_steps,
+                metrics=self.metrics,
+            )
+            if self.checkpoints
+            else None
+        )
+        self.resumed_step: int | None = None  # the checkpoint's step this worker started from
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -220,6 +240,8 @@ class Worker:
         self.donor.close()
         await self.announcer.withdraw()
         await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
+        if self.checkpoint_writer is not None:  # the last state, while the compute thread runs
+            await self.checkpoint_writer.close(step=self.optimizer.step, timeout_s=grace_s)
         await asyncio.to_thread(self.runtime.stop)
         log.info("worker_stopped", stage=self.stage, step=self.optimizer.step)
 
@@ -235,6 +257,8 @@ class Worker:
         self.phases.advance(report.step, stage_step=stage_step)
         if report.step >= stage_step:  # catching up: the stage held these rounds already
             self.averager.on_step(report.step)
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.on_step(report.step)
         log.info(
             "optimizer_step",
             stage=self.stage,
@@ -245,6 +269,38 @@ class Worker:
             applied=report.applied,
         )
         return report
+
+    async def _resume_from_checkpoint(self) -> int | None:
+        """With ``resume``: install the newest valid checkpoint (weights, AdamW state, step) on
+        the compute thread and return its step; None when not resuming or none is valid."""
+        if not self.settings.resume or self.checkpoints is None:
+            return None
+        snapshot = await asyncio.to_thread(self.checkpoints.newest_valid, check=self.state.check)
+        if snapshot is None:
+            log.warning("checkpoint_resume_none", directory=str(self.checkpoints.directory), stage=self.stage)
+            return None
+        await asyncio.wrap_future(self.runtime.call(lambda: self.state.install(snapshot)))
+        self.resumed_step = snapshot.step
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.resumed(snapshot.step)
+        log.info(
+            "checkpoint_resumed",
+            stage=self.stage,
+            step=snapshot.step,
+            directory=str(self.checkpoints.directory),
+        )
+        return snapshot.step
+
+    def _checkpoint_info(self) -> dict | None:
+        writer = self.checkpoint_writer
+        if writer is None:
+            return None
+        return {
+            "directory": str(writer.store.directory),
+            "last_step": writer.last_step,
+            "resumed_step": self.resumed_step,
+            "writing": writer.writing,
+        }
 
     def _set_phase_metric(self, phase: Phase) -> None:
         for each in Phase:
@@ -364,6 +420,7 @@ class Worker:
                 "join": None if self.joined is None else self.joined.info(),
                 "refused_while_invisible": self.refused_while_invisible,
                 "averaging": self.averager.info(),
+                "checkpoint": self._checkpoint_info(),
                 "version": __version__,
                 "time": time.time(),
             }

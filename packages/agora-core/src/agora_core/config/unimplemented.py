@@ -28,9 +28,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "admission.authorizer_public_key": (
         "the authorizer (agora-authorizer, a later milestone) does not exist yet: nothing checks credentials"
     ),
-    # Wired on the checkpoints branch (agora_worker.checkpoint); remove these when it lands.
-    "checkpoint.every_steps": "workers do not write checkpoints yet (the checkpoints branch brings them)",
-    "checkpoint.keep": "workers do not write checkpoints yet (the checkpoints branch brings them)",
 }
 
 

@@ -1,0 +1,225 @@
+"""The trained model comes out: `tools/export_model.py` assembles it from per-stage checkpoints
+(skipping a corrupt one) or from live workers over RPC, and `tools/evaluate.py` scores it on a
+held-out shard, exactly as a direct ComposedModel computation on the same weights does, and
+samples text from it that repeats with its seed. The tools run as the user runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agora_core.config import RunConfig, parse_run_config
+from agora_core.config.dump import dump_toml
+from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
+from agora_core.dht import DhtNode
+from agora_core.identity import NodeKey
+from agora_trainer.shards import open_shards
+from agora_worker.checkpoint import CheckpointStore, find_manifests
+from agora_worker.model import ComposedModel, build_stage
+from agora_worker.model.export import read_model
+from agora_worker.optimizer import HostOptimizer
+from agora_worker.settings import WorkerSettings
+from agora_worker.state import StageState
+from agora_worker.worker import Worker
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+TOOL_S = 120  # one tool run: torch imports on a busy machine
+CONFIG = """
+name = "export-e2e"
+seed = 21
+[model]
+d_model = 32
+n_heads = 2
+mlp_ratio = 2.0
+subspace_rank = 4
+vocab_size = 256
+seq_len = 32
+stage_layers = [1, 1, 1]
+[optimizer]
+lr = 3.0e-3
+warmup_steps = 1
+target_batch_size = 4
+[checkpoint]
+keep = 5
+"""
+RUN = parse_run_config(CONFIG)
+
+
+def tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / name), *args], capture_output=True, text=True, timeout=TOOL_S
+    )
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Two small shards of real text; the second is held out."""
+    out = tmp_path_factory.mktemp("shards")
+    source = out / "source"
+    source.mkdir()
+    text = (ROOT / "packages" / "agora-worker" / "src" / "agora_worker" / "worker.py").read_text()
+    (source / "a.txt").write_text(text[:6000])  # one file per shard
+    (source / "b.txt").write_text(text[6000:12000])
+    made = tool("make_shards.py", str(out / "data"), "--shards", "2", "--source", str(source))
+    assert made.returncode == 0, made.stderr
+    return out / "data"
+
+
+def train_checkpoints(shards: Path, root: Path) -> list[dict[int, StageState]]:
+    """Three steps of every stage on the first shard, checkpointed after steps 2 and 3, each
+    stage into its own directory (as one worker per stage would); the weights at each."""
+    stages = [build_stage(RUN, s) for s in range(RUN.model.n_stages)]
+    optimizers = [HostOptimizer(m, RUN.optimizer, clip_threshold=1.0) for m in stages]
+    states = [StageState(m, o) for m, o in zip(stages, optimizers, strict=True)]
+    stores = [CheckpointStore(root / f"worker-{s}-0", run=RUN, stage=s, keep=5) for s in range(len(stages))]
+    shard = open_shards(shards)[0]
+    saved: list[dict[int, dict]] = [{} for _ in stages]
+    for step in range(1, 4):
+        batch = np.stack([shard.sample(step * 4 + i, RUN.model.seq_len) for i in range(4)]).astype(np.int64)
+        tokens, labels = torch.from_numpy(batch[:, :-1]), torch.from_numpy(batch[:, 1:])
+        boundary = None
+        for module in stages[:-1]:
+            boundary = module(tokens, boundary)
+        stages[-1](tokens, boundary, labels).sum().backward()
+        for optimizer in optimizers:
+            optimizer.accumulate(4)
+            optimizer.apply()
+        if step >= 2:
+            for s, (state, store) in enumerate(zip(states, stores, strict=True)):
+                snapshot = state.capture()
+                store.save(snapshot)
+                saved[s][step] = {n[6:]: a for n, a in snapshot.tensors.items() if n.startswith("param/")}
+    return saved
+
+
+def direct_loss(weights: list[dict[str, np.ndarray]], samples: np.ndarray) -> float:
+    stages = [build_stage(RUN, s) for s in range(RUN.model.n_stages)]
+    for module, stage_weights in zip(stages, weights, strict=True):
+        module.load_state_dict({n: torch.from_numpy(a) for n, a in stage_weights.items()})
+    with torch.no_grad():
+        tokens = torch.from_numpy(samples.astype(np.int64))
+        return float(ComposedModel(stages)(tokens[:, :-1], tokens[:, 1:]).double().mean())
+
+
+@pytest.mark.timeout(5 * TOOL_S, func_only=True)
+def test_export_from_checkpoints_then_evaluate_on_the_held_out_shard(tmp_path, shards):
+    saved = train_checkpoints(shards, tmp_path / "checkpoints")
+    newest_of_1 = find_manifests(tmp_path / "checkpoints" / "worker-1-0")[0].tensor_path
+    newest_of_1.write_bytes(newest_of_1.read_bytes()[:-64])  # truncated: stage 1 falls back
+    model = tmp_path / "model.safetensors"
+    export = tool("export_model.py", "--from-checkpoints", str(tmp_path / "checkpoints"), "--out", str(model))
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert "stage 1: step 2" in export.stdout and "truncated" in export.stdout
+    exported = read_model(model)
+    assert exported.run == RUN and exported.steps == [3, 2, 3] and exported.source == "checkpoints"
+    chosen = [saved[0][3], saved[1][2], saved[2][3]]
+    for mine, theirs in zip(chosen, exported.weights, strict=True):
+        assert all(mine[n].tobytes() == theirs[n].tobytes() for n in mine)
+
+    def evaluate(*extra: str) -> dict:
+        args = [str(model), "--shards", str(shards), "--samples", "100000", "--tokens", "24", *extra]
+        result = tool("evaluate.py", *args, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "held-out loss:" in result.stdout and "sample (temperature 0.9, seed 5):" in result.stdout
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    first = evaluate("--temperature", "0.9", "--seed", "5")
+    held_out = open_shards(shards)[-1]
+    everything = np.stack(
+        [held_out.sample(i, RUN.model.seq_len) for i in range(held_out.sample_count(RUN.model.seq_len))]
+    )
+    assert first["held_out_shard"] == held_out.name and first["samples"] == len(everything)
+    assert np.isfinite(first["held_out_loss"])
+    assert first["held_out_loss"] == pytest.approx(direct_loss(chosen, everything), rel=1e-5)
+    assert len(first["sample"]) > 0
+    again = evaluate("--temperature", "0.9", "--seed", "5", "--held-out-shard", "1")
+    assert again["sample"] == first["sample"] and again["held_out_loss"] == first["held_out_loss"]
+
+
+def test_tools_report_bad_inputs_as_one_line_not_a_traceback(tmp_path, shards):
+    missing = tool("evaluate.py", str(tmp_path / "none.safetensors"), "--shards", str(shards))
+    assert (
+        missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = tool(
+        "export_model.py", "--from-checkpoints", str(empty), "--out", str(tmp_path / "m.safetensors")
+    )
+    assert nothing.returncode == 2 and "no checkpoints in" in nothing.stderr
+    assert "Traceback" not in nothing.stderr
+
+
+LIVE = RunConfig(
+    name="export-live",
+    seed=4,
+    model=ModelConfig(
+        d_model=32,
+        n_heads=2,
+        mlp_ratio=2.0,
+        subspace_rank=4,
+        vocab_size=256,
+        seq_len=8,
+        stage_layers=(1, 1, 1),
+    ),
+    optimizer=OptimizerConfig(target_batch_size=8),
+    dht=DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0),
+)
+
+
+@pytest.mark.timeout(TOOL_S + 60, func_only=True)
+async def test_export_from_live_workers_takes_one_replicas_weights_per_stage(tmp_path):
+    config = tmp_path / "live.toml"
+    config.write_text(dump_toml(LIVE))
+    seed = DhtNode(key=NodeKey.generate(), config=LIVE.dht)
+    workers: list[Worker] = []
+    proc = None
+    try:
+        await seed.start()
+        settings = WorkerSettings(device="cpu", progress_interval_s=0.1, announce_interval_s=0.2)
+        expected = []
+        for stage in range(LIVE.model.n_stages):
+            worker = Worker(
+                run=LIVE, stage=stage, key=NodeKey.generate(), bootstrap=[seed.address], settings=settings
+            )
+            workers.append(worker)
+            await worker.start()
+            # weights no other replica starts with, at a step of its own
+            snapshot = worker.state.capture()
+            rng = np.random.default_rng(stage)
+            for name, array in snapshot.tensors.items():
+                snapshot.tensors[name] = (array + rng.standard_normal(array.shape)).astype(np.float32)
+            snapshot.step = 10 + stage
+            await asyncio.wrap_future(worker.runtime.call(lambda w=worker, s=snapshot: w.state.install(s)))
+            expected.append({n[6:]: a for n, a in snapshot.tensors.items() if n.startswith("param/")})
+        model = tmp_path / "live.safetensors"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(ROOT / "tools" / "export_model.py"),
+            *("--bootstrap", seed.address, "--config", str(config), "--out", str(model), "--timeout", "60"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(proc.communicate(), timeout=TOOL_S)
+        assert proc.returncode == 0, output.decode()
+        exported = read_model(model)
+        assert exported.steps == [10, 11, 12] and exported.source == "live"
+        for mine, theirs in zip(expected, exported.weights, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(mine[n].tobytes() == theirs[n].tobytes() for n in mine)
+    finally:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        await asyncio.gather(*(w.stop(grace_s=1) for w in workers), return_exceptions=True)
+        await seed.stop()

@@ -46,6 +46,7 @@ class StageProgressTracker:
         step, since only reports at a worker's own step count toward its batch."""
         check_refresh(interval_s, ttl_s, "progress_interval_s")
         self._key = key
+        self._dht = dht
         self._entry = OwnedEntry(dht, key, stage_progress_key(run_name, stage))
         self._target = target_batch_size
         self._interval_s = interval_s
@@ -70,7 +71,9 @@ class StageProgressTracker:
         self.peers = len(at_step)
         self._others = sum(r.samples for r in at_step)
         self.stage_samples = samples + self._others
-        self.stage_step = max([step, *(r.step for r in reports)])
+        # Its own report is ignored: local() is the truth, and a restarted worker with the same
+        # key may still read its previous life's report.
+        self.stage_step = max([step, *(r.step for r in reports if r.node_id != self._key.node_id)])
         behind = self.stage_step > step
         return behind or (samples > 0 and self.stage_samples >= self._target)
 
@@ -98,7 +101,10 @@ class StageProgressTracker:
         await self._entry.publish(report.to_value(), self._ttl_s)
 
     async def read(self) -> list[StageProgress]:
-        return parse_entries(await self._entry.read_all(), StageProgress.from_value)
+        """The reports of the stage's live workers (a crashed one's report outlives it)."""
+        reports = parse_entries(await self._entry.read_all(), StageProgress.from_value)
+        live = self._dht.live_ids()
+        return [r for r in reports if r.node_id in live]
 
     async def run(self) -> None:
         """Publish, read, decide, every ``interval_s``, until cancelled."""

@@ -180,6 +180,11 @@ class DhtNode:
         """Live members (alive or suspect), this node included, ordered by id."""
         return self.table.live() if self.table else []
 
+    def live_ids(self) -> set[str]:
+        """Ids of the live members: entries a crashed node published outlive it by up to their
+        TTL, its membership only until its failed probes mark it dead."""
+        return {m.node_id for m in self.members()}
+
     def _membership_changed(self) -> None:
         self._alive_cache = None
         self._changed.set()

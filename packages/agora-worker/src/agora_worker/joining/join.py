@@ -111,15 +111,14 @@ class Joiner:
         found, reports = await asyncio.gather(
             self._dht.get(stage_workers_key(run, stage)), self._dht.get(stage_progress_key(run, stage))
         )
+        live = self._dht.live_ids() - {self._node_id}  # a crashed replica's entries outlive it
         progress = {
-            p.node_id: p.step
-            for p in parse_entries(reports, StageProgress.from_value)
-            if p.node_id != self._node_id
+            p.node_id: p.step for p in parse_entries(reports, StageProgress.from_value) if p.node_id in live
         }
         donors = [
             a
             for a in parse_entries(found, WorkerAnnouncement.from_value)
-            if a.node_id != self._node_id and a.phase in (Phase.SERVING, Phase.OPTIMIZER_SYNC) and a.address
+            if a.node_id in live and a.phase in (Phase.SERVING, Phase.OPTIMIZER_SYNC) and a.address
         ]
         donors.sort(key=lambda a: (-progress.get(a.node_id, 0), a.phase is not Phase.SERVING, -a.throughput))
         return StageView(donors, max(progress.values(), default=0))

@@ -27,6 +27,9 @@ class SurrogateConfig:
     backward_delay_s: float = 0.0  # injected compute time per sample, backward
     dummy_parameters: int = 0  # untrained parameters, to size the averaging payload
     fail_token: int = -1  # fault injection: a batch holding this token id fails in compute
+    # Fault injection: a batch holding this token id computes NaN outputs, so its loss, its
+    # input gradients and the stage's parameter gradients are NaN (-1: off).
+    nan_token: int = -1
 
     def __post_init__(self) -> None:
         require(self.forward_delay_s >= 0, "forward_delay_s", "must be >= 0")

@@ -32,6 +32,7 @@ from agora_worker.progress import StageProgressTracker
 from agora_worker.runtime import Op, Runtime
 from agora_worker.settings import WorkerSettings, batch_limits
 from agora_worker.tensors import activations, token_ids
+from agora_worker.termination import watchdog_for
 
 log = get_logger("worker")
 
@@ -144,6 +145,9 @@ class Worker:
             "agora_worker_grad_norm", "Gradient norm before clipping, last step."
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+        # Self-termination: [termination] rules over the signals above; when one trips, the
+        # worker withdraws, says why in the DHT and sets watchdog.fired (the CLI then exits).
+        self.watchdog = watchdog_for(self)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -155,6 +159,7 @@ class Worker:
         self._tasks = [
             loop.create_task(self.progress.run(), name="worker-progress"),
             loop.create_task(self.announcer.run(), name="worker-announce"),
+            loop.create_task(self.watchdog.run(), name="worker-watchdog"),
         ]
         log.info(
             "worker_started",

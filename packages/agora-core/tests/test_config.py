@@ -22,6 +22,9 @@ def test_defaults_are_the_published_runs_values():
     assert (run.sync.weight_sync_steps, run.sync.optimizer_sync_steps) == (400, 100)
     assert run.clipping.threshold(0, 7) == pytest.approx(1 / math.sqrt(7))
     assert run.clipping.threshold(6, 7) == pytest.approx(2 / math.sqrt(7))
+    term = run.termination  # report: two failed rounds of the last three; a host RAM limit is opt-in
+    assert (term.failed_rounds, term.rounds_window, term.max_host_rss_mib) == (2, 3, 0)
+    assert (term.compute_failures, term.nonfinite_steps) == (3, 1)
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
@@ -53,6 +56,10 @@ def test_values_override_defaults_and_lists_become_tuples():
         ("model = 3", "model", "expected a table"),
         ("[model]\nvocab_size = 100", "model.vocab_size", "byte tokenizer"),
         ("colour = 1", "colour", "unknown key"),
+        ("[termination]\nunreachable = 5", "termination.unreachable", "did you mean 'unreachable_s'"),
+        ("[termination]\nfailed_rounds = 4", "termination.failed_rounds", "rounds_window (3)"),
+        ("[termination]\nno_progress_s = -1", "termination.no_progress_s", "0: the rule is off"),
+        ("[termination]\ndeparture_ttl_s = 3590", "termination.departure_ttl_s", "max_clock_skew_s (3570 s)"),
     ],
 )
 def test_errors_name_the_key_and_the_reason(text, key, reason):

@@ -1,4 +1,4 @@
-"""The roles' shared contract: phases, stage roles, DHT entries parsed by schema."""
+"""The roles' shared contract: phases, stage roles, DHT entries parsed and validated by schema."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ import time
 import pytest
 
 from agora_core.config import resolve_settings
-from agora_core.contract import Phase, StageRole
-from agora_core.dht import DhtValue, RecordRejected
+from agora_core.contract import DepartureReason, Phase, StageRole
+from agora_core.dht import DhtValue, RecordRejected, Validators
+from agora_core.dht.records import make_record, owned_subkey
+from agora_core.dht.storage import RecordStore
 from agora_core.errors import ConfigError
-from agora_core.schema import WorkerAnnouncement, parse_entries
+from agora_core.identity import NodeKey
+from agora_core.schema import (
+    WorkerAnnouncement,
+    WorkerDeparture,
+    parse_entries,
+    register_validators,
+    stage_departures_key,
+)
 
 
 def announcement(**changes) -> dict:
@@ -89,3 +98,55 @@ def test_role_settings_take_flags_over_their_role_variables_over_defaults():
     with pytest.raises(ConfigError) as info:
         resolve_settings(RoleSettings, prefix="AGORA_WORKER_", environ={"AGORA_WORKER_PHASE": "resting"})
     assert info.value.key == "AGORA_WORKER_PHASE" and "weight_sync" in info.value.reason
+
+
+def departure(key: NodeKey, **changes) -> dict:
+    value = WorkerDeparture(
+        node_id=key.node_id,
+        stage=1,
+        reason=DepartureReason.AVERAGING_FAILURES,
+        value=2,
+        threshold=2,
+        unit="rounds",
+        step=40,
+        time=time.time(),
+        exit_code=15,
+        detail="2 of the last 3 averaging rounds failed",
+    ).to_value()
+    return {**value, **changes}
+
+
+def test_a_departure_round_trips_and_malformed_ones_are_refused():
+    key = NodeKey.generate()
+    parsed = WorkerDeparture.from_value(departure(key))
+    assert parsed.reason is DepartureReason.AVERAGING_FAILURES and parsed.value == 2.0
+    for changes, message in [
+        ({"reason": "bored"}, "reason must be one of"),
+        ({"exit_code": 0}, "exit_code must lie"),
+        ({"step": -1}, "non-negative"),
+        ({"value": "2"}, "'value'"),
+        ({"detail": "x" * 2000}, "'detail'"),
+    ]:
+        with pytest.raises(RecordRejected, match=message):
+            WorkerDeparture.from_value(departure(key, **changes))
+
+
+def test_only_the_departing_worker_may_publish_its_departure():
+    validators = Validators()
+    register_validators(validators, "run")
+    store = RecordStore(validators=validators)
+    key_name = stage_departures_key("run", 1)
+    worker, other = NodeKey.generate(), NodeKey.generate()
+    now = time.time()
+
+    def write(signer: NodeKey, value: dict) -> bool:
+        subkey = owned_subkey(signer.public_key)
+        record = make_record(key_name, subkey, value, now + 600, signer=signer)
+        store.validate(key_name, subkey, record, now=now)
+        return store.put(key_name, subkey, record, now=now)
+
+    assert write(worker, departure(worker))
+    with pytest.raises(RecordRejected, match="departing worker's own subkey"):
+        write(other, departure(worker))  # another node cannot claim the worker left
+    with pytest.raises(RecordRejected, match="reason"):
+        write(worker, departure(worker, reason="bored"))

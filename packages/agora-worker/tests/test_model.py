@@ -119,3 +119,18 @@ def test_surrogate_stages_speak_the_same_boundary_and_can_fail_on_purpose():
     tokens[0, 0] = 3
     with pytest.raises(RuntimeError, match="injected failure"):
         parts[0](tokens)
+
+
+def test_a_surrogate_batch_holding_the_nan_token_computes_nan_gradients():
+    model = dataclasses.replace(MODEL, kind="surrogate", surrogate=SurrogateConfig(nan_token=5))
+    body = build_stage(RunConfig(seed=1, model=model), 1)
+    tokens, _ = batch()
+    tokens[tokens == 5] = 6
+    boundary = torch.randn(3, 16, model.subspace_rank)
+    body(tokens, boundary).sum().backward()
+    assert all(bool(p.grad.isfinite().all()) for p in body.parameters() if p.requires_grad)
+    body.zero_grad()
+    tokens[1, 2] = 5  # one sample holding it poisons the whole batch, as a broken device would
+    out = body(tokens, boundary)
+    out.sum().backward()
+    assert bool(out.isnan().all()) and bool(body.linear.weight.grad.isnan().all())

@@ -86,3 +86,6 @@ def test_steps_without_samples_or_with_bad_gradients_change_nothing():
     assert report.step == 2 and not report.applied and not math.isfinite(report.grad_norm)
     for p, q in zip(module.parameters(), before, strict=True):
         assert torch.equal(p, q)
+    assert optimizer.nonfinite_in_a_row == 1  # what the self-termination rule counts
+    backward(module, optimizer)
+    assert optimizer.apply().applied and optimizer.nonfinite_in_a_row == 0  # a good step resets it

@@ -100,6 +100,12 @@ async def test_a_poisoned_request_fails_alone(runtime):
     results = await asyncio.gather(blocker, *tasks, return_exceptions=True)
     assert isinstance(results[2], RuntimeError) and "poisoned" in str(results[2])
     assert float(results[1]["boundary"][0, 0, 0]) == 20.0 and float(results[3]["boundary"][0, 0, 0]) == 22.0
+    # one bad request among good ones is no failing device: the run of failures restarts at 0
+    assert (rt.failed_requests, rt.failures_in_a_row) == (1, 0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="poisoned"):
+            await rt.submit(Op.FORWARD, sample(13))
+    assert (rt.failed_requests, rt.failures_in_a_row) == (3, 2)
 
 
 async def test_abandoned_requests_are_not_computed(runtime):

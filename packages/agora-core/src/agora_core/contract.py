@@ -75,3 +75,14 @@ class StageRole(enum.StrEnum):
         if not 0 <= stage < n_stages:
             raise ValueError(f"stage {stage} does not exist: the run has stages 0..{n_stages - 1}")
         return cls.HEAD if stage == 0 else cls.TAIL if stage == n_stages - 1 else cls.BODY
+
+
+class DepartureReason(enum.StrEnum):
+    """Why a worker terminated itself (its self-termination rules; a monitor reads these)."""
+
+    DEVICE_FAILURE = "device_failure"  # its compute failed request after request
+    NONFINITE_GRADIENTS = "nonfinite_gradients"  # NaN or infinite gradients, step after step
+    UNREACHABLE = "unreachable"  # no peer or no DHT operation succeeded for too long
+    NO_PROGRESS = "no_progress"  # it held samples while its stage's step did not move
+    HOST_MEMORY = "host_memory"  # its resident memory passed the limit
+    AVERAGING_FAILURES = "averaging_failures"  # too many of its recent averaging rounds failed

@@ -1,8 +1,9 @@
 """What the roles of a run tell each other through the DHT: key names and value schemas.
 
-Workers announce themselves and their stage's progress; trainers read the announcements to
-route work and report their own progress. Every role imports this module (trainers without
-torch), and every DHT node can enforce the schemas on receive with :func:`register_validators`.
+Workers announce themselves and their stage's progress, and say why when they terminate
+themselves; trainers read the announcements to route work and report their own progress.
+Every role imports this module (trainers without torch), and every DHT node can enforce the
+schemas on receive with :func:`register_validators`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from agora_core.contract import Phase
+from agora_core.contract import DepartureReason, Phase
 from agora_core.dht import DhtValue
-from agora_core.dht.records import RecordRejected
+from agora_core.dht.records import RecordRejected, subkey_owner
 from agora_core.dht.storage import Validators
+from agora_core.identity import node_id_from_public_key
 
 T = TypeVar("T")
 
@@ -37,6 +39,11 @@ def averaging_round_key(run_name: str, stage: int, round_index: int) -> str:
 def averaging_summary_key(run_name: str, stage: int) -> str:
     """Where the workers of ``stage`` publish their latest averaging round's report."""
     return f"{run_name}/stage/{stage}/averaging/summary"
+
+
+def stage_departures_key(run_name: str, stage: int) -> str:
+    """Where workers of ``stage`` that terminated themselves say why (one owned subkey each)."""
+    return f"{run_name}/stage/{stage}/departures"
 
 
 def trainer_progress_key(run_name: str) -> str:
@@ -180,14 +187,76 @@ class TrainerProgress:
         return progress
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerDeparture:
+    """A worker's entry under :func:`stage_departures_key`: the rule that made it terminate."""
+
+    node_id: str
+    stage: int
+    reason: DepartureReason
+    value: float  # what the rule measured ...
+    threshold: float  # ... and the threshold it passed
+    unit: str  # of value and threshold: "requests", "steps", "s", "MiB", "rounds"
+    step: int  # the worker's optimizer step when it left
+    time: float  # wall-clock seconds
+    exit_code: int  # what its process exits with
+    detail: str = ""  # a sentence for humans
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", DepartureReason(self.reason))  # a reason given by name
+
+    def to_value(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> WorkerDeparture:
+        if not isinstance(value, dict):
+            raise RecordRejected("a worker departure must be a map")
+        try:
+            reason = DepartureReason(_field(value, "reason", str))
+        except ValueError:
+            raise RecordRejected(f"reason must be one of {[r.value for r in DepartureReason]}") from None
+        detail = value.get("detail", "")
+        if not isinstance(detail, str) or len(detail) > 1024:
+            raise RecordRejected("field 'detail' must be a string of at most 1024 characters")
+        departure = cls(
+            node_id=_field(value, "node_id", str),
+            stage=_field(value, "stage", int),
+            reason=reason,
+            value=float(_field(value, "value", (int, float))),
+            threshold=float(_field(value, "threshold", (int, float))),
+            unit=_field(value, "unit", str),
+            step=_field(value, "step", int),
+            time=float(_field(value, "time", (int, float))),
+            exit_code=_field(value, "exit_code", int),
+            detail=detail,
+        )
+        if departure.stage < 0 or departure.step < 0:
+            raise RecordRejected("stage and step must be non-negative")
+        if not 0 < departure.exit_code < 256:
+            raise RecordRejected(f"exit_code must lie in [1, 255], got {departure.exit_code}")
+        return departure
+
+
+def _check_departure(subkey: str, value: Any) -> None:
+    """Only the departing worker may say it departed: its own owned subkey, its own node id."""
+    departure = WorkerDeparture.from_value(value)
+    owner = subkey_owner(subkey)
+    if owner is None or node_id_from_public_key(owner) != departure.node_id:
+        raise RecordRejected("a departure must be written under the departing worker's own subkey")
+
+
 def register_validators(validators: Validators, run_name: str) -> None:
-    """Make a DHT node refuse malformed announcements and progress reports of run ``run_name``."""
+    """Make a DHT node refuse malformed announcements, progress reports and departure records
+    of run ``run_name``."""
 
     def check(key: str, subkey: str, value: Any) -> None:
         if key.endswith("/workers"):
             WorkerAnnouncement.from_value(value)
         elif key.endswith("/progress"):
             StageProgress.from_value(value)
+        elif key.endswith("/departures"):
+            _check_departure(subkey, value)
 
     validators.register(f"{run_name}/stage/", check)
     validators.register(

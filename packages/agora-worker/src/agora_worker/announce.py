@@ -4,12 +4,14 @@ The announcement lives the run's ``dht.record_ttl_s`` and is refreshed every
 ``announce_interval_s`` (at most a third of it). Trainers route only to workers they can see,
 so a worker that dies simply stops refreshing and vanishes from the stage within one
 ``record_ttl_s``; until then a trainer whose call to it fails bans it. A worker that stops
-cleanly withdraws at once.
+cleanly withdraws at once, and a worker that stops serving (self-termination)
+retires: withdraws for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from agora_core.dht import DhtError, DhtNode
@@ -40,9 +42,16 @@ class Announcer:
         self._interval_s = interval_s
         self._describe = describe
         self.ttl_s = ttl_s
+        self.last_ok = time.monotonic()  # when an announcement last reached the DHT
+        self.retired = False
+        self._lock = asyncio.Lock()  # no announcement in flight while it retires
 
     async def announce(self) -> None:
-        await self._entry.publish(self._describe().to_value(), self.ttl_s)
+        async with self._lock:
+            if self.retired:
+                return
+            await self._entry.publish(self._describe().to_value(), self.ttl_s)
+            self.last_ok = time.monotonic()
 
     async def run(self) -> None:
         while True:
@@ -51,6 +60,12 @@ class Announcer:
             except (DhtError, RpcError) as exc:
                 log.warning("announce_failed", error=str(exc))
             await asyncio.sleep(self._interval_s)
+
+    async def retire(self) -> None:
+        """Withdraw now and never announce again: trainers stop routing here at once."""
+        async with self._lock:
+            self.retired = True
+            await self.withdraw()
 
     async def withdraw(self) -> None:
         """Remove the announcement now (a clean shutdown)."""

@@ -30,7 +30,9 @@ def main() -> None:
     """Serve one pipeline stage of an Agora run."""
 
 
-async def _run(worker: Worker, settings: NodeSettings) -> None:
+async def _run(worker: Worker, settings: NodeSettings) -> int:
+    """Serve until SIGINT/SIGTERM or a self-termination rule trips; the exit code (0: a clean
+    stop, else the tripped rule's, agora_worker.termination.EXIT_CODES)."""
     log = get_logger("worker.cli")
     endpoint = worker.metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
     stop = asyncio.Event()
@@ -59,16 +61,25 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
             )
             click.echo(f"  resumed    {resumed}")
     sys.stdout.flush()
+    waits = [loop.create_task(stop.wait()), loop.create_task(worker.watchdog.wait())]
     try:
-        await stop.wait()
-        log.info("shutting_down", grace_s=worker.settings.shutdown_grace_s)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        verdict = worker.watchdog.verdict
+        if verdict is None:
+            log.info("shutting_down", grace_s=worker.settings.shutdown_grace_s)
+        else:  # it already withdrew and published why; leaving and stopping remain
+            click.echo(f"terminated: {verdict.reason} (exit code {verdict.exit_code}): {verdict.detail}")
+            sys.stdout.flush()
     finally:
+        for task in waits:
+            task.cancel()
         await worker.stop()
         if endpoint is not None:
             endpoint.close()
         if settings.metrics_push_gateway:
             worker.metrics.push(settings.metrics_push_gateway)
         click.echo("stopped")
+    return worker.watchdog.exit_code
 
 
 @main.command()
@@ -113,7 +124,8 @@ async def _run(worker: Worker, settings: NodeSettings) -> None:
     help="Start from the newest valid checkpoint in --checkpoint-dir (fresh if there is none).",
 )
 def run(config_file, stage, bootstrap, **options) -> None:
-    """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish)."""
+    """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish) or
+    until a [termination] rule trips (the exit code then names the rule)."""
     node, run_config, settings = launch_role("worker", options, config_file, WorkerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
@@ -128,6 +140,7 @@ def run(config_file, stage, bootstrap, **options) -> None:
             metrics=NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12]),
             link=node.link_emulator(),
         )
-        asyncio.run(_run(worker, node))
+        code = asyncio.run(_run(worker, node))
     except (AgoraError, OSError, ValueError) as exc:
         fail(str(exc), code=1)
+    sys.exit(code)

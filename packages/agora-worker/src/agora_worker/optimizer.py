@@ -69,6 +69,7 @@ class HostOptimizer:
         self.step = 0
         self.samples = 0  # accumulated toward the next step
         self.total_samples = 0  # ever accumulated (averaging weighs peers by its increase)
+        self.nonfinite_in_a_row = 0  # steps in a row whose gradient was dropped as NaN/infinite
 
     def accumulate(self, samples: int) -> None:
         """Count a microbatch whose backward just added into the compute gradients."""
@@ -107,6 +108,9 @@ class HostOptimizer:
                         group["lr"] = lr
                     self.adamw.step()
                     applied = True
+                    self.nonfinite_in_a_row = 0
+                else:
+                    self.nonfinite_in_a_row += 1
             self.adamw.zero_grad(set_to_none=True)
             for p in self.compute:
                 p.grad = None

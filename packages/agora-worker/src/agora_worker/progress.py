@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 from agora_core.dht import DhtError, DhtNode
@@ -58,7 +59,8 @@ class StageProgressTracker:
         self._peer_addresses: list[str] = []
         self._pokes: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self.stage_samples = 0  # what the stage holds toward this worker's current step
-        self.stage_step = 0  # the furthest step any worker of the stage reported, this one's included
+        self.stage_step = 0  # the furthest of this worker's step and the others' reported ones
+        self.last_ok = time.monotonic()  # when a publish and read last both succeeded
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last read
         self._wake = asyncio.Event()
@@ -76,6 +78,11 @@ class StageProgressTracker:
         self.stage_step = max([step, *(r.step for r in reports if r.node_id != self._key.node_id)])
         behind = self.stage_step > step
         return behind or (samples > 0 and self.stage_samples >= self._target)
+
+    @property
+    def pending_samples(self) -> int:
+        """This worker's samples that count toward its next step (0 in the sync phases)."""
+        return self._local()[1]
 
     def poked(self) -> None:
         """A peer stepped: look now."""
@@ -113,6 +120,7 @@ class StageProgressTracker:
                 # decide() takes this worker's own counts from local(), so the read need not
                 # wait for the publish: both in one round trip
                 _, reports = await asyncio.gather(self.publish(), self.read())
+                self.last_ok = time.monotonic()
                 if self.decide(reports):
                     await self._take_step()
                     await self.publish()  # tell the others at once: they may be waiting on it

@@ -99,6 +99,11 @@ class Runtime:
         self.samples_processed = 0
         self.samples_by_op: collections.Counter[Op] = collections.Counter()
         self.compute_seconds = 0.0
+        # Requests that failed alone (after their merged batch was split), and how many of them
+        # in a row with no successful batch between: a device that fails everything (the
+        # self-termination rule reads it).
+        self.failed_requests = 0
+        self.failures_in_a_row = 0
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # recent, for tests/tools
         metrics = metrics or NodeMetrics(role="worker")
         self._m_wait = metrics.histogram(
@@ -216,6 +221,8 @@ class Runtime:
             results = self._compute(batch)
         except Exception as exc:
             if len(batch) == 1:
+                self.failed_requests += 1
+                self.failures_in_a_row += 1
                 log.warning("request_failed", op=batch[0].op, error=f"{type(exc).__name__}: {exc}")
                 self._deliver(batch[0], None, exc)
                 return
@@ -223,6 +230,7 @@ class Runtime:
                 self._run_batch([task])
             return
         elapsed = time.monotonic() - started
+        self.failures_in_a_row = 0
         samples = sum(task.samples for task in batch)
         self.samples_processed += samples
         self.samples_by_op[batch[0].op] += samples

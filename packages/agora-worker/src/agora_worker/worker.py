@@ -36,6 +36,7 @@ from agora_worker.runtime import Op, Runtime
 from agora_worker.settings import WorkerSettings, batch_limits
 from agora_worker.state import StageState
 from agora_worker.tensors import activations, token_ids
+from agora_worker.termination import watchdog_for
 
 log = get_logger("worker")
 
@@ -201,6 +202,9 @@ class Worker:
             else None
         )
         self.resumed_step: int | None = None  # the checkpoint's step this worker started from
+        # Self-termination: [termination] rules over the signals above; when one trips, the
+        # worker withdraws, says why in the DHT and sets watchdog.fired (the CLI then exits).
+        self.watchdog = watchdog_for(self)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -215,6 +219,7 @@ class Worker:
         self._tasks = [
             loop.create_task(self.progress.run(), name="worker-progress"),
             loop.create_task(self.announcer.run(), name="worker-announce"),
+            loop.create_task(self.watchdog.run(), name="worker-watchdog"),
         ]
         log.info(
             "worker_started",

@@ -28,6 +28,9 @@ class SurrogateConfig:
     backward_delay_s: float = 0.0  # injected compute time per sample, backward
     dummy_parameters: int = 0  # untrained parameters, to size the averaging payload
     fail_token: int = -1  # fault injection: a batch holding this token id fails in compute
+    # Fault injection: a batch holding this token id computes NaN outputs, so its loss, its
+    # input gradients and the stage's parameter gradients are NaN (-1: off).
+    nan_token: int = -1
 
     def __post_init__(self) -> None:
         require(self.forward_delay_s >= 0, "forward_delay_s", "must be >= 0")
@@ -212,6 +215,64 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TerminationConfig:
+    """When a worker stops itself (report 3.3.1.6): each rule has its threshold; 0 turns it off.
+
+    A worker that trips a rule withdraws its announcement, publishes a signed departure record
+    saying why, leaves the DHT and exits with the rule's code (agora-worker's README).
+    """
+
+    check_interval_s: float = 1.0  # how often the rules are evaluated
+    # report: a CUDA failure terminates at once. A failed merged batch is retried request by
+    # request, so one bad request fails alone among successes; a broken device fails every
+    # request. Failed requests in a row, no success between: 3 trips within three requests of
+    # the device breaking, never on one bad request.
+    compute_failures: int = 3
+    # report: invalid values in the gradients terminate at once. Optimizer steps in a row whose
+    # gradient norm was NaN or infinite (each such gradient is dropped, not applied).
+    nonfinite_steps: int = 1
+    # report: loss of peer-to-peer connectivity terminates. Seconds with no other live DHT
+    # member, or with no DHT operation succeeding. assumed: 60 s rides out a slow or flaky
+    # link; by then the worker's announcement has long expired and trainers cannot see it.
+    unreachable_s: float = 60.0
+    # report: a worker that cannot fetch the run's progress terminates. Seconds this worker
+    # holds samples toward a step while the stage's step, as read from the DHT, stays put (an
+    # idle worker never trips it). assumed: 600 s, many steps' time at the run's batch size.
+    no_progress_s: float = 600.0
+    # report: a worker whose host RAM usage exceeds a configured limit exits before it degrades.
+    # Resident set size of the worker process, MiB; machines differ, so no default limit.
+    max_host_rss_mib: int = 0
+    # report: two failures within any three consecutive averaging rounds (not only two in a
+    # row). A round fails for this worker when it had peers to average with and got none of its
+    # segment's average back, or when it could not form a group; rounds it was alone in do not
+    # count. failed_rounds = 0: off.
+    failed_rounds: int = 2
+    rounds_window: int = 3
+    # How long the departure record stays readable (a monitor polls every few minutes). Must fit
+    # under dht.max_expiration_ahead_s less dht.max_clock_skew_s, or replicas refuse it.
+    departure_ttl_s: float = 3000.0
+
+    def __post_init__(self) -> None:
+        require(self.check_interval_s > 0, "check_interval_s", "must be positive")
+        for name in (
+            "compute_failures",
+            "nonfinite_steps",
+            "unreachable_s",
+            "no_progress_s",
+            "max_host_rss_mib",
+            "failed_rounds",
+        ):
+            require(getattr(self, name) >= 0, name, "must be >= 0 (0: the rule is off)")
+        require(self.rounds_window >= 1, "rounds_window", "must be >= 1")
+        require(
+            self.failed_rounds <= self.rounds_window,
+            "failed_rounds",
+            f"must not exceed rounds_window ({self.rounds_window})",
+        )
+        require(self.departure_ttl_s > 0, "departure_ttl_s", "must be positive")
+
+
+@dataclass(kw_only=True, frozen=True)
 class DhtConfig:
     replication: int = 3  # R nodes closest to a key's hash hold it
     gossip_period_s: float = 1.0
@@ -318,6 +379,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     join: JoinConfig = field(default_factory=JoinConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    termination: TerminationConfig = field(default_factory=TerminationConfig)
     dht: DhtConfig = field(default_factory=DhtConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -328,6 +390,13 @@ class RunConfig:
             self.join.piece_bytes <= self.transport.max_message_bytes,
             "join.piece_bytes",
             "must not exceed transport.max_message_bytes",
+        )
+        departure_bound_s = self.dht.max_expiration_ahead_s - self.dht.max_clock_skew_s
+        require(
+            self.termination.departure_ttl_s <= departure_bound_s,
+            "termination.departure_ttl_s",
+            f"must not exceed dht.max_expiration_ahead_s - dht.max_clock_skew_s ({departure_bound_s:g} s):"
+            " replicas refuse records that expire later",
         )
         require(
             self.dht.record_ttl_s > self.averaging.matchmaking_window_s,

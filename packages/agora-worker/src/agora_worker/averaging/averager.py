@@ -44,6 +44,8 @@ class RoundReport:
     bytes_moved: int  # tensor bytes streamed to and from other peers
     excluded: bool = False  # this peer formed a group the reducers did not share
     steps_during: int = 0  # optimizer steps this peer took while the round ran (kept: delta rule)
+    matchmaking_failed: bool = False  # no group could be formed (not: this peer was alone)
+    reducers: int = 0  # reducers in the group (none: nobody could average)
 
 
 class Averager:
@@ -179,10 +181,23 @@ class Averager:
             )
         except Exception as exc:  # no group, no round: keep local weights
             log.warning("averaging_matchmaking_failed", round=round_index, error=str(exc))
-            return self._finish(RoundReport(round_index, segment, 1, 0.0, 0.0, time.monotonic() - started, 0))
+            return self._finish(
+                RoundReport(
+                    round_index, segment, 1, 0.0, 0.0, time.monotonic() - started, 0, matchmaking_failed=True
+                )
+            )
         if len(group.members) < 2 or not group.reducers:
             return self._finish(
-                RoundReport(round_index, segment, len(group.members), 1.0, 0.0, time.monotonic() - started, 0)
+                RoundReport(
+                    round_index,
+                    segment,
+                    len(group.members),
+                    1.0,
+                    0.0,
+                    time.monotonic() - started,
+                    0,
+                    reducers=len(group.reducers),
+                )
             )
         self.active_group_size = len(group.members)
         result = await all_reduce(
@@ -208,6 +223,7 @@ class Averager:
             bytes_moved=result.wire_bytes,
             excluded=result.excluded,
             steps_during=steps_during,
+            reducers=len(group.reducers),
         )
         return self._finish(report)
 

@@ -3,7 +3,8 @@
 They behave like stages to everything around them (same requests, same boundary payloads,
 same optimizer and averaging paths) while computing almost nothing: injected per-sample
 delays stand in for compute time, untrained dummy parameters for a large model's averaging
-payload, and ``fail_token`` makes a chosen sample fail in compute.
+payload; fault injection: ``fail_token`` makes a batch holding it fail in compute, and
+``nan_token`` makes it compute NaN (NaN outputs, losses and gradients).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class SurrogateStage(nn.Module):
             raise RuntimeError(f"injected failure: token {self.surrogate.fail_token} in the batch")
         x = self.embedding[tokens] if self.role == StageRole.HEAD else boundary  # (B, T, k)
         x = x + torch.tanh(self.linear(x))
+        if self.surrogate.nan_token >= 0 and bool((tokens == self.surrogate.nan_token).any()):
+            x = x * float("nan")  # every output, and every gradient through this stage, is NaN
         if self.role != StageRole.TAIL:
             return x
         logits = self.lm_head(x)  # (B, T, V)

@@ -40,6 +40,7 @@ class CheckpointWriter:
         self._capture = capture
         self._task: asyncio.Task | None = None
         self.last_step: int | None = None  # the step of the newest checkpoint written or resumed
+        self.resumed_step: int | None = None  # the checkpoint's step the worker started from
         self._m_step = metrics.gauge("agora_worker_checkpoint_step", "Step of the newest checkpoint.")
         self._m_written = metrics.counter("agora_worker_checkpoints_total", "Checkpoints written.")
         self._m_seconds = metrics.gauge(
@@ -55,8 +56,17 @@ class CheckpointWriter:
 
     def resumed(self, step: int) -> None:
         """The replica was restored from the checkpoint of ``step``."""
-        self.last_step = step
+        self.last_step = self.resumed_step = step
         self._m_step.set(step)
+
+    def info(self) -> dict:
+        """For worker.info."""
+        return {
+            "directory": str(self.store.directory),
+            "last_step": self.last_step,
+            "resumed_step": self.resumed_step,
+            "writing": self.writing,
+        }
 
     def on_step(self, step: int) -> None:
         """After every optimizer step: start a write when ``step`` is due."""

@@ -50,16 +50,13 @@ async def _run(worker: Worker, settings: NodeSettings) -> int:
     click.echo(f"  phase      {worker.phases.phase}")
     if endpoint is not None:
         click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
-    if worker.checkpoints is not None:
-        every = worker.run.checkpoint.every_steps
-        click.echo(
-            f"  checkpoint {worker.checkpoints.directory} (every {every} steps, keep {worker.run.checkpoint.keep})"
-        )
+    writer = worker.checkpoint_writer
+    if writer is not None:
+        every, keep = worker.run.checkpoint.every_steps, worker.run.checkpoint.keep
+        click.echo(f"  checkpoint {writer.store.directory} (every {every} steps, keep {keep})")
         if worker.settings.resume:
-            resumed = (
-                "none valid: started fresh" if worker.resumed_step is None else f"step {worker.resumed_step}"
-            )
-            click.echo(f"  resumed    {resumed}")
+            step = writer.resumed_step
+            click.echo(f"  resumed    {'none valid: started fresh' if step is None else f'step {step}'}")
     sys.stdout.flush()
     waits = [loop.create_task(stop.wait()), loop.create_task(worker.watchdog.wait())]
     try:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase, StageRole
-from agora_core.errors import BadRequest, NotServing, StageMismatch
+from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -31,11 +31,11 @@ from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
+from agora_worker.pipeline import PipelineService
 from agora_worker.progress import StageProgressTracker
-from agora_worker.runtime import Op, Runtime
+from agora_worker.runtime import Runtime
 from agora_worker.settings import WorkerSettings, batch_limits
 from agora_worker.state import StageState
-from agora_worker.tensors import activations, token_ids
 from agora_worker.termination import watchdog_for
 
 log = get_logger("worker")
@@ -94,9 +94,6 @@ class Worker:
         )
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         for method, handler in (
-            (Method.FORWARD, self._on_forward),
-            (Method.BACKWARD, self._on_backward),
-            (Method.FORWARD_BACKWARD, self._on_forward_backward),
             (Method.WORKER_INFO, self._on_info),
             (Method.WORKER_PARAMETERS, self._on_parameters),
             (Method.AVERAGING_START, self._on_start_round),
@@ -151,6 +148,17 @@ class Worker:
                 address, Method.PROGRESS_POKE, {"stage": stage}, timeout_s=2.0
             ),
         )
+        self.pipeline = PipelineService(
+            model=run.model,
+            stage=stage,
+            role=self.role,
+            boundary_width=self.module.boundary_width,
+            max_batch=self.max_batch,
+            runtime=self.runtime,
+            phase=lambda: self.phases.phase,
+            trained=self.progress.accumulated,
+        )
+        self.pipeline.register(self.server)
         self.announcer = Announcer(
             dht=self.dht,
             key=key,
@@ -175,7 +183,6 @@ class Worker:
             announce=self.announcer.announce,
         )
         self.joined: JoinOutcome | None = None
-        self.refused_while_invisible = 0
         self._tasks: list[asyncio.Task] = []
         self._announcing: set[asyncio.Task] = set()
         self.address: str | None = None
@@ -186,22 +193,16 @@ class Worker:
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
         # --- checkpoints (--checkpoint-dir, --resume) -------------------------------------------
-        self.checkpoints = (
-            CheckpointStore(self.settings.checkpoint_dir, run=run, stage=stage, keep=run.checkpoint.keep)
-            if self.settings.checkpoint_dir
-            else None
-        )
         self.checkpoint_writer = (
             CheckpointWriter(
-                self.checkpoints,
+                CheckpointStore(self.settings.checkpoint_dir, run=run, stage=stage, keep=run.checkpoint.keep),
                 capture=lambda: self.runtime.call(self.state.capture),
                 every_steps=run.checkpoint.every_steps,
                 metrics=self.metrics,
             )
-            if self.checkpoints
+            if self.settings.checkpoint_dir
             else None
         )
-        self.resumed_step: int | None = None  # the checkpoint's step this worker started from
         # Self-termination: [termination] rules over the signals above; when one trips, the
         # worker withdraws, says why in the DHT and sets watchdog.fired (the CLI then exits).
         self.watchdog = watchdog_for(self)
@@ -275,37 +276,22 @@ class Worker:
         )
         return report
 
-    async def _resume_from_checkpoint(self) -> int | None:
-        """With ``resume``: install the newest valid checkpoint (weights, AdamW state, step) on
-        the compute thread and return its step; None when not resuming or none is valid."""
-        if not self.settings.resume or self.checkpoints is None:
+    async def _resume_from_checkpoint(self, *, live_replicas: bool) -> int | None:
+        """Install the newest valid checkpoint (weights, AdamW state, step) on the compute thread
+        and return its step, when resuming or when the stage has no live replica; else None."""
+        writer = self.checkpoint_writer
+        if writer is None or (live_replicas and not self.settings.resume):
             return None
-        snapshot = await asyncio.to_thread(self.checkpoints.newest_valid, check=self.state.check)
+        snapshot = await asyncio.to_thread(writer.store.newest_valid, check=self.state.check)
         if snapshot is None:
-            log.warning("checkpoint_resume_none", directory=str(self.checkpoints.directory), stage=self.stage)
+            log.warning("checkpoint_resume_none", directory=str(writer.store.directory), stage=self.stage)
             return None
         await asyncio.wrap_future(self.runtime.call(lambda: self.state.install(snapshot)))
-        self.resumed_step = snapshot.step
-        if self.checkpoint_writer is not None:
-            self.checkpoint_writer.resumed(snapshot.step)
+        writer.resumed(snapshot.step)
         log.info(
-            "checkpoint_resumed",
-            stage=self.stage,
-            step=snapshot.step,
-            directory=str(self.checkpoints.directory),
+            "checkpoint_resumed", stage=self.stage, step=snapshot.step, directory=str(writer.store.directory)
         )
         return snapshot.step
-
-    def _checkpoint_info(self) -> dict | None:
-        writer = self.checkpoint_writer
-        if writer is None:
-            return None
-        return {
-            "directory": str(writer.store.directory),
-            "last_step": writer.last_step,
-            "resumed_step": self.resumed_step,
-            "writing": writer.writing,
-        }
 
     def _set_phase_metric(self, phase: Phase) -> None:
         for each in Phase:
@@ -334,74 +320,7 @@ class Worker:
             version=__version__,
         )
 
-    # --- requests ----------------------------------------------------------------------------------
-
-    def _check_stage(self, request: Request) -> dict:
-        tensors = request.tensors
-        stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
-        if stage != self.stage:
-            raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self.stage}")
-        phase = self.phases.phase
-        if not phase.visible_to_trainers:
-            self.refused_while_invisible += 1  # a trainer routed here though it could not see us
-            raise NotServing(f"this worker is in {phase} and serves no batches yet")
-        return tensors
-
-    def _inputs(self, tensors: dict, *, boundary: bool, labels: bool = False, grad: bool = False) -> dict:
-        model = self.run.model
-        tokens = token_ids(
-            "tokens",
-            tensors.get("tokens"),
-            vocab_size=model.vocab_size,
-            max_batch=self.max_batch,
-            max_len=model.seq_len,
-        )
-        b, t = tokens.shape
-        shape = (b, t, self.module.boundary_width)
-        inputs = {"tokens": tokens}
-        if boundary:
-            inputs["boundary"] = activations("boundary", tensors.get("boundary"), shape=shape)
-        if grad:
-            inputs["grad"] = activations("grad", tensors.get("grad"), shape=shape)
-        if labels:
-            inputs["labels"] = token_ids(
-                "labels",
-                tensors.get("labels"),
-                vocab_size=model.vocab_size,
-                max_batch=self.max_batch,
-                max_len=model.seq_len,
-            )
-            if inputs["labels"].shape != tokens.shape:
-                raise BadRequest(f"labels must match tokens' shape {tuple(tokens.shape)}")
-        return inputs
-
-    async def _on_forward(self, request: Request) -> Payload:
-        tensors = self._check_stage(request)
-        if self.role == StageRole.TAIL:
-            inputs = self._inputs(tensors, boundary=True, labels=True)
-            result = await self.runtime.submit(Op.EVALUATE, inputs)
-            return Payload(tensors={"loss": result["loss"]})
-        inputs = self._inputs(tensors, boundary=self.role != StageRole.HEAD)
-        result = await self.runtime.submit(Op.FORWARD, inputs)
-        return Payload(tensors={"boundary": result["boundary"]})
-
-    async def _on_backward(self, request: Request) -> Payload:
-        tensors = self._check_stage(request)
-        if self.role == StageRole.TAIL:
-            raise BadRequest("the tail trains with forward_backward, not backward")
-        inputs = self._inputs(tensors, boundary=self.role != StageRole.HEAD, grad=True)
-        result = await self.runtime.submit(Op.BACKWARD, inputs)
-        self.progress.accumulated()
-        return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
-
-    async def _on_forward_backward(self, request: Request) -> Payload:
-        tensors = self._check_stage(request)
-        if self.role != StageRole.TAIL:
-            raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self.role}")
-        inputs = self._inputs(tensors, boundary=True, labels=True)
-        result = await self.runtime.submit(Op.FORWARD_BACKWARD, inputs)
-        self.progress.accumulated()
-        return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})
+    # --- operators, tools and peers ------------------------------------------------------------
 
     async def _on_info(self, request: Request) -> Payload:
         runtime = self.runtime
@@ -423,9 +342,9 @@ class Worker:
                 "phase": self.phases.phase,
                 "phase_steps_left": self.phases.steps_left(self.optimizer.step),
                 "join": None if self.joined is None else self.joined.info(),
-                "refused_while_invisible": self.refused_while_invisible,
+                "refused_while_invisible": self.pipeline.refused_while_invisible,
                 "averaging": self.averager.info(),
-                "checkpoint": self._checkpoint_info(),
+                "checkpoint": None if self.checkpoint_writer is None else self.checkpoint_writer.info(),
                 "version": __version__,
                 "time": time.time(),
             }

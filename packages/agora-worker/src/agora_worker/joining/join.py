@@ -91,10 +91,11 @@ class Joiner:
         phases: PhaseTracker,
         metrics: NodeMetrics,
         policy: DownloadPolicy = "auto",
-        resume: Callable[[], Awaitable[int | None]] | None = None,
+        resume: Callable[..., Awaitable[int | None]] | None = None,
         announce: Callable[[], Awaitable[None]] | None = None,
     ):
-        """``resume()`` installs the newest valid checkpoint and returns its step (None: none);
+        """``resume(live_replicas=...)`` installs the newest valid checkpoint when the worker
+        resumes or its stage has no live replica, and returns its step (None: it did not);
         ``announce()`` publishes the worker's announcement (its phase shows it downloading)."""
         self._run, self._stage, self._node_id = run, stage, node_id
         self._dht, self._client, self._runtime, self._state = dht, client, runtime, state
@@ -131,8 +132,8 @@ class Joiner:
             view = StageView([], 0)
         local_step = 0
         source: Source = "initial"
-        if self._resume is not None and (not view.donors or self._policy != "always"):
-            resumed = await self._resume()
+        if self._resume is not None and self._policy != "always":
+            resumed = await self._resume(live_replicas=bool(view.donors))
             if resumed is not None:
                 local_step, source = resumed, "checkpoint"
         behind = view.stage_step - local_step

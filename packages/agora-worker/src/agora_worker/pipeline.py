@@ -1,0 +1,103 @@
+"""The pipeline methods a worker serves to trainers: ``forward``, ``backward``, ``forward_backward``.
+
+Each request is checked before it is queued: it must be for this worker's stage, reach a
+worker trainers may use now (not downloading, not in weight sync), and carry tensors of the
+shapes, dtypes and ranges its stage takes. Then it waits in the runtime's queues and is
+computed in a coalesced microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agora_core.config.run import ModelConfig
+from agora_core.contract import Method, Phase, StageRole
+from agora_core.errors import BadRequest, NotServing, StageMismatch
+from agora_core.rpc import Payload, Request, RpcServer
+from agora_worker.runtime import Op, Runtime
+from agora_worker.tensors import activations, token_ids
+
+
+class PipelineService:
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        stage: int,
+        role: StageRole,
+        boundary_width: int,
+        max_batch: int,
+        runtime: Runtime,
+        phase: Callable[[], Phase],
+        trained: Callable[[], None],
+    ):
+        """``phase()`` is the worker's phase now; ``trained()`` is called after each backward
+        landed (stage progress checks whether the stage now holds a batch)."""
+        self._model, self._stage, self._role = model, stage, role
+        self._boundary_width, self._max_batch = boundary_width, max_batch
+        self._runtime, self._phase, self._trained = runtime, phase, trained
+        self.refused_while_invisible = 0  # batches a trainer sent though it could not see us
+
+    def register(self, server: RpcServer) -> None:
+        server.register(Method.FORWARD, self._on_forward)
+        server.register(Method.BACKWARD, self._on_backward)
+        server.register(Method.FORWARD_BACKWARD, self._on_forward_backward)
+
+    def _check(self, request: Request) -> dict:
+        stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
+        if stage != self._stage:
+            raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self._stage}")
+        phase = self._phase()
+        if not phase.visible_to_trainers:
+            self.refused_while_invisible += 1
+            raise NotServing(f"this worker is in {phase} and serves no batches yet")
+        return request.tensors
+
+    def _tokens(self, name: str, value) -> object:
+        model = self._model
+        return token_ids(
+            name, value, vocab_size=model.vocab_size, max_batch=self._max_batch, max_len=model.seq_len
+        )
+
+    def _inputs(self, tensors: dict, *, boundary: bool, labels: bool = False, grad: bool = False) -> dict:
+        tokens = self._tokens("tokens", tensors.get("tokens"))
+        b, t = tokens.shape
+        shape = (b, t, self._boundary_width)
+        inputs = {"tokens": tokens}
+        if boundary:
+            inputs["boundary"] = activations("boundary", tensors.get("boundary"), shape=shape)
+        if grad:
+            inputs["grad"] = activations("grad", tensors.get("grad"), shape=shape)
+        if labels:
+            inputs["labels"] = self._tokens("labels", tensors.get("labels"))
+            if inputs["labels"].shape != tokens.shape:
+                raise BadRequest(f"labels must match tokens' shape {tuple(tokens.shape)}")
+        return inputs
+
+    async def _on_forward(self, request: Request) -> Payload:
+        tensors = self._check(request)
+        if self._role == StageRole.TAIL:
+            inputs = self._inputs(tensors, boundary=True, labels=True)
+            result = await self._runtime.submit(Op.EVALUATE, inputs)
+            return Payload(tensors={"loss": result["loss"]})
+        inputs = self._inputs(tensors, boundary=self._role != StageRole.HEAD)
+        result = await self._runtime.submit(Op.FORWARD, inputs)
+        return Payload(tensors={"boundary": result["boundary"]})
+
+    async def _on_backward(self, request: Request) -> Payload:
+        tensors = self._check(request)
+        if self._role == StageRole.TAIL:
+            raise BadRequest("the tail trains with forward_backward, not backward")
+        inputs = self._inputs(tensors, boundary=self._role != StageRole.HEAD, grad=True)
+        result = await self._runtime.submit(Op.BACKWARD, inputs)
+        self._trained()
+        return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
+
+    async def _on_forward_backward(self, request: Request) -> Payload:
+        tensors = self._check(request)
+        if self._role != StageRole.TAIL:
+            raise BadRequest(f"forward_backward is served by the tail; this worker serves the {self._role}")
+        inputs = self._inputs(tensors, boundary=True, labels=True)
+        result = await self._runtime.submit(Op.FORWARD_BACKWARD, inputs)
+        self._trained()
+        return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})

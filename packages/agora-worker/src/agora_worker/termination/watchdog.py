@@ -91,6 +91,9 @@ class Watchdog:
 
     async def run(self) -> None:
         """Check every ``interval_s`` until a rule trips, then depart (a task of the worker)."""
+        # A worker back with the same key is not departed any more: a monitor must not read
+        # its previous life's record as news.
+        await self._bounded("clear a previous departure", self._entry.withdraw())
         while True:
             try:
                 verdict = self.check()

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.config import AdmissionConfig, ModelConfig, RunConfig, load_run_config, parse_run_config
+from agora_core.config import (
+    AveragingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    load_run_config,
+    parse_run_config,
+)
 from agora_core.config.dump import dump_toml
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -24,7 +31,8 @@ def test_defaults_and_unusual_values_round_trip_exactly():
         name='odd "name"\\with\tescapes',
         seed=2**40,
         model=ModelConfig(kind="surrogate", mlp_ratio=1 / 3, stage_layers=(1, 0, 2)),
-        admission=AdmissionConfig(mode="authorized", authorizer_public_key="ab" * 32),
+        averaging=AveragingConfig(reducers="listed", reducer_ids=("ab" * 20, 'c"d')),
+        optimizer=OptimizerConfig(lr=1e-7, betas=(0.5, 0.999)),
     )
     for config in (RunConfig(), run):
         text = dump_toml(config)

@@ -108,9 +108,6 @@ class HostOptimizer:
                         group["lr"] = lr
                     self.adamw.step()
                     applied = True
-                    self.nonfinite_in_a_row = 0
-                else:
-                    self.nonfinite_in_a_row += 1
             self.adamw.zero_grad(set_to_none=True)
             for p in self.compute:
                 p.grad = None
@@ -119,4 +116,7 @@ class HostOptimizer:
                     for master, compute in zip(self.master, self.compute, strict=True):
                         compute.copy_(master)
             self.step += 1
+            # after the step count: a watchdog that reads this (on another thread) sees the step too
+            if samples and grads:
+                self.nonfinite_in_a_row = 0 if applied else self.nonfinite_in_a_row + 1
             return StepReport(self.step, samples, norm, lr, applied)

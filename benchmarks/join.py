@@ -8,7 +8,8 @@
     downloaded it from the first). A joiner behind the emulated link downloads it from one
     donor, then another joiner from three. Figure ``state_download_vs_link`` = bytes /
     (download time x the link's download rate), target >= 0.8; the download time runs from the
-    first manifest request to the verified state installed.
+    first manifest request to the last tensor fetched and its digest checked (installing the
+    state and reading it back is reported on its own).
 (b) Time to serve. A local swarm of ``examples/tiny.toml`` trains; once its stages are past
     ``sync.stale_after_steps``, ``swarm.py add-worker`` starts a newcomer. Figures: seconds from
     the process start to its state installed, to the end of weight sync, to the end of
@@ -95,6 +96,7 @@ async def download_figures(report: Report, mb: float, link: str) -> None:
                 seconds = joined["download_s"]
                 report.add(f"donors={donors} state_mb", joined["download_bytes"] / 1e6, "MB")
                 report.add(f"donors={donors} download_s", seconds, "s")
+                report.add(f"donors={donors} install_and_check_s", joined["install_s"], "s")
                 report.compare(
                     f"donors={donors} state_download_vs_link",
                     bits / seconds / 1e6,

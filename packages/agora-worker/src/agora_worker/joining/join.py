@@ -50,7 +50,8 @@ class JoinOutcome:
     stage_step: int  # its stage's furthest step when it looked
     donors: list[str] = field(default_factory=list)  # node ids the state came from
     download_bytes: int = 0
-    download_s: float = 0.0
+    download_s: float = 0.0  # manifests to every tensor fetched and its digest checked
+    install_s: float = 0.0  # installing it and reading it back
     failed_pieces: int = 0
     refetched_tensors: int = 0
     verified: bool = False  # the installed state read back equals the donors' snapshot digests
@@ -64,6 +65,7 @@ class JoinOutcome:
             "donors": self.donors,
             "download_bytes": self.download_bytes,
             "download_s": round(self.download_s, 3),
+            "install_s": round(self.install_s, 3),
             "rate_bytes_per_s": round(rate),
             "failed_pieces": self.failed_pieces,
             "refetched_tensors": self.refetched_tensors,
@@ -190,6 +192,7 @@ class Joiner:
                     config=config,
                     on_progress=self._report,
                 )
+                downloaded = time.monotonic()
                 await asyncio.wrap_future(
                     self._runtime.call(functools.partial(self._state.install, snapshot))
                 )
@@ -197,13 +200,14 @@ class Joiner:
             except (StateDownloadFailed, AgoraError) as exc:
                 log.warning("state_download_failed", attempt=attempt, error=str(exc))
                 continue
-            seconds = time.monotonic() - started
+            seconds, install_s = downloaded - started, time.monotonic() - downloaded
             used = [d.node_id for d in download.donors if d.fetched_bytes]
             log.info(
                 "state_downloaded",
                 step=snapshot.step,
                 bytes=download.total_bytes,
                 seconds=round(seconds, 3),
+                install_s=round(install_s, 3),
                 rate_mbit_per_s=round(download.total_bytes * 8 / seconds / 1e6, 1) if seconds else None,
                 donors=used,
                 failed_pieces=download.failed_pieces,
@@ -216,6 +220,7 @@ class Joiner:
                 donors=used,
                 download_bytes=download.total_bytes,
                 download_s=seconds,
+                install_s=install_s,
                 failed_pieces=download.failed_pieces,
                 refetched_tensors=download.refetched_tensors,
                 verified=True,

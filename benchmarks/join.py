@@ -136,7 +136,16 @@ def time_to_serve(report: Report) -> None:
     sync = load_run_config(config).sync
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
         run_dir = Path(tmp) / "run"
-        up_args = ["up", "--config", str(config), "--samples", "100000", "--run-dir", str(run_dir)]
+        up_args = [
+            "up",
+            "--config",
+            str(config),
+            "--samples",
+            "100000",
+            "--run-dir",
+            str(run_dir),
+            "--no-export",
+        ]
         up = subprocess.Popen([sys.executable, SWARM, *up_args], stdout=log, stderr=subprocess.STDOUT)
         try:
             report.note(f"a tiny swarm trains until its stages pass step {sync.stale_after_steps + 5}")
@@ -174,8 +183,13 @@ def time_to_serve(report: Report) -> None:
             current = _poll(_members(run_dir).get("worker-1-0"))
             step_rate = (current["step"] - step_before) / (time.monotonic() - started)
         finally:
-            up.terminate()
-            up.wait(timeout=120)
+            up.terminate()  # `up` stops its nodes on SIGTERM; `down` makes sure
+            try:
+                up.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                up.kill()
+            down = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
+            subprocess.run(down, stdout=subprocess.DEVNULL, timeout=120, check=False)
     if "first_forward" not in seen:
         raise SystemExit(f"the newcomer never served after syncing: phases seen {seen}")
     phases_s = (sync.weight_sync_steps + sync.optimizer_sync_steps) / step_rate

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,6 +194,7 @@ def up(
     swarm = SwarmFile(str(run_dir), str(Path(config).resolve()))
     swarm.save()  # replaces the last run's file: what `finally` stops is this run's
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupted)  # `kill` stops the swarm like Ctrl-C does
     try:
         start_seed(swarm)
         click.echo(
@@ -233,6 +235,10 @@ def up(
     summarize(run_dir, started, run.model.seq_len)
     if export:
         export_and_evaluate(run_dir, swarm.config, shards)
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @main.command("kill-worker")

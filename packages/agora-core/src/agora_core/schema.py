@@ -67,11 +67,27 @@ def parse_entries(values: Mapping[str, DhtValue], parse: Callable[[Any], T]) -> 
     return parsed
 
 
+NUMBER = (int, float)  # a field kind: any number, read as a float
+
+
 def _field(value: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     item = value.get(name)
     if isinstance(item, bool) or not isinstance(item, kind):
         raise RecordRejected(f"field {name!r} has the wrong type ({type(item).__name__})")
-    return item
+    return float(item) if kind is NUMBER else item
+
+
+def _fields(value: Any, what: str, kinds: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """The fields ``kinds`` names, each of its kind; RecordRejected when ``value`` is not a map
+    holding them."""
+    if not isinstance(value, dict):
+        raise RecordRejected(f"{what} must be a map")
+    return {name: _field(value, name, kind) for name, kind in kinds.items()}
+
+
+def _optional(value: dict, name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    """A field that may be absent (or nil): ``default`` then."""
+    return default if value.get(name) is None else _field(value, name, kind)
 
 
 def _phase(value: dict) -> Phase:
@@ -103,18 +119,9 @@ class WorkerAnnouncement:
 
     @classmethod
     def from_value(cls, value: Any) -> WorkerAnnouncement:
-        if not isinstance(value, dict):
-            raise RecordRejected("a worker announcement must be a map")
-        announcement = cls(
-            node_id=_field(value, "node_id", str),
-            address=_field(value, "address", str),
-            stage=_field(value, "stage", int),
-            phase=_phase(value),
-            throughput=float(_field(value, "throughput", (int, float))),
-            load=_field(value, "load", int),
-            max_batch=_field(value, "max_batch", int),
-            version=_field(value, "version", str),
-        )
+        kinds = {"node_id": str, "address": str, "stage": int, "throughput": NUMBER, "load": int}
+        fields = _fields(value, "a worker announcement", {**kinds, "max_batch": int, "version": str})
+        announcement = cls(phase=_phase(value), **fields)
         if announcement.stage < 0 or announcement.max_batch < 1 or announcement.load < 0:
             raise RecordRejected("stage, max_batch and load must be non-negative (max_batch >= 1)")
         return announcement
@@ -134,17 +141,8 @@ class StageProgress:
 
     @classmethod
     def from_value(cls, value: Any) -> StageProgress:
-        if not isinstance(value, dict):
-            raise RecordRejected("a stage progress report must be a map")
-        address = value.get("address", "")
-        if not isinstance(address, str):
-            raise RecordRejected("field 'address' has the wrong type")
-        progress = cls(
-            node_id=_field(value, "node_id", str),
-            step=_field(value, "step", int),
-            samples=_field(value, "samples", int),
-            address=address,
-        )
+        fields = _fields(value, "a stage progress report", {"node_id": str, "step": int, "samples": int})
+        progress = cls(address=_optional(value, "address", str, ""), **fields)
         if progress.step < 0 or progress.samples < 0:
             raise RecordRejected("step and samples must be non-negative")
         return progress
@@ -166,22 +164,10 @@ class TrainerProgress:
 
     @classmethod
     def from_value(cls, value: Any) -> TrainerProgress:
-        if not isinstance(value, dict):
-            raise RecordRejected("a trainer progress report must be a map")
-        losses = []
-        for name in ("loss_ema", "loss_last"):
-            loss = value.get(name)
-            if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
-                raise RecordRejected(f"field {name!r} must be a number or nil")
-            losses.append(None if loss is None else float(loss))
-        progress = cls(
-            node_id=_field(value, "node_id", str),
-            loss_ema=losses[0],
-            loss_last=losses[1],
-            samples=_field(value, "samples", int),
-            tokens=_field(value, "tokens", int),
-            lanes=_field(value, "lanes", int),
-        )
+        kinds = {"node_id": str, "samples": int, "tokens": int, "lanes": int}
+        fields = _fields(value, "a trainer progress report", kinds)
+        losses = {name: _optional(value, name, NUMBER, None) for name in ("loss_ema", "loss_last")}
+        progress = cls(**fields, **losses)
         if progress.samples < 0 or progress.tokens < 0 or progress.lanes < 0:
             raise RecordRejected("samples, tokens and lanes must be non-negative")
         return progress
@@ -210,27 +196,17 @@ class WorkerDeparture:
 
     @classmethod
     def from_value(cls, value: Any) -> WorkerDeparture:
-        if not isinstance(value, dict):
-            raise RecordRejected("a worker departure must be a map")
+        kinds = {"node_id": str, "stage": int, "reason": str, "value": NUMBER, "threshold": NUMBER}
+        kinds |= {"unit": str, "step": int, "time": NUMBER, "exit_code": int}
+        fields = _fields(value, "a worker departure", kinds)
         try:
-            reason = DepartureReason(_field(value, "reason", str))
+            fields["reason"] = DepartureReason(fields["reason"])
         except ValueError:
             raise RecordRejected(f"reason must be one of {[r.value for r in DepartureReason]}") from None
-        detail = value.get("detail", "")
-        if not isinstance(detail, str) or len(detail) > 1024:
+        detail = _optional(value, "detail", str, "")
+        if len(detail) > 1024:
             raise RecordRejected("field 'detail' must be a string of at most 1024 characters")
-        departure = cls(
-            node_id=_field(value, "node_id", str),
-            stage=_field(value, "stage", int),
-            reason=reason,
-            value=float(_field(value, "value", (int, float))),
-            threshold=float(_field(value, "threshold", (int, float))),
-            unit=_field(value, "unit", str),
-            step=_field(value, "step", int),
-            time=float(_field(value, "time", (int, float))),
-            exit_code=_field(value, "exit_code", int),
-            detail=detail,
-        )
+        departure = cls(detail=detail, **fields)
         if departure.stage < 0 or departure.step < 0:
             raise RecordRejected("stage and step must be non-negative")
         if not 0 < departure.exit_code < 256:

@@ -259,3 +259,15 @@ def test_phases_of_zero_steps_are_skipped():
     phases = PhaseTracker(SyncConfig(weight_sync_steps=0, optimizer_sync_steps=0))
     phases.start_sync(7, reason="downloaded")
     assert phases.phase is Phase.SERVING
+
+
+async def test_a_weights_only_download_leaves_the_optimizer_state_on_the_donor(workers, client):
+    donor = await workers(0)
+    await train_and_step(donor, client, steps=1)
+    weights = {s.name: s for s in donor.state.param_specs()}
+    snapshot, _ = await download_state(client, [donor.address], expected=weights, config=RUN.join)
+    assert set(snapshot.tensors) == set(weights)
+    light = await client.call(donor.address, Method.STATE_MANIFEST, {"weights_only": True})
+    assert {name for name, _, _ in light.meta["tensors"]} == set(weights)  # no moments copied
+    full = await client.call(donor.address, Method.STATE_MANIFEST)
+    assert any(name.startswith("adam/") for name, _, _ in full.meta["tensors"])

@@ -1,6 +1,7 @@
 """The donor side of state transfer: serve a consistent snapshot of this replica's state.
 
-``state.manifest`` takes a snapshot on the compute thread (one copy, between two batches:
+``state.manifest`` (``{"weights_only": true}``: without the AdamW state, for tools that export
+the model) takes a snapshot on the compute thread (one copy, between two batches:
 the replica keeps training), hashes every tensor off the event loop and answers with the
 snapshot's id, step, tensor list and digests. ``state.fetch`` answers one byte range of one
 tensor of that snapshot. Joiners taking part at the same time share a snapshot as long as the
@@ -12,6 +13,7 @@ goes first), so a vanished joiner costs memory for one TTL at most.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -37,6 +39,7 @@ MAX_SNAPSHOTS = 2
 class _Held:
     snapshot: StateSnapshot
     taken_at: float
+    weights_only: bool  # no AdamW state: for tools exporting the model
     last_used: float = field(default_factory=time.monotonic)
     views: dict[str, np.ndarray] = field(default_factory=dict)  # name -> its bytes, flat uint8
 
@@ -114,19 +117,20 @@ class StateDonor:
             loop = asyncio.get_running_loop()
             self._sweep = loop.call_later(self._config.snapshot_ttl_s / 2, self._swept)
 
-    async def _snapshot(self) -> tuple[str, _Held]:
+    async def _snapshot(self, *, weights_only: bool) -> tuple[str, _Held]:
         async with self._taking:
             self._expire()
             step = self._state.optimizer.step
-            for snapshot_id, held in self._held.items():
-                if held.snapshot.step == step:
+            for snapshot_id, held in self._held.items():  # a full snapshot serves either kind
+                if held.snapshot.step == step and (weights_only or not held.weights_only):
                     held.last_used = time.monotonic()
                     return snapshot_id, held
             started = time.monotonic()
-            snapshot = await asyncio.wrap_future(self._runtime.call(self._state.capture))
+            capture = functools.partial(self._state.capture, with_optimizer=not weights_only)
+            snapshot = await asyncio.wrap_future(self._runtime.call(capture))
             copied_s = time.monotonic() - started
             await asyncio.to_thread(snapshot.digests)  # hashing releases the GIL
-            held = _Held(snapshot, taken_at=time.monotonic())
+            held = _Held(snapshot, taken_at=time.monotonic(), weights_only=weights_only)
             held.views = {n: a.reshape(-1).view(np.uint8) for n, a in snapshot.tensors.items()}
             while len(self._held) >= MAX_SNAPSHOTS:
                 oldest = min(self._held, key=lambda i: self._held[i].last_used)
@@ -150,7 +154,8 @@ class StateDonor:
     async def _on_manifest(self, request: Request) -> Payload:
         if not self._ready():
             raise NotServing("this worker is still taking up its own state")
-        snapshot_id, held = await self._snapshot()
+        meta = request.meta if isinstance(request.meta, dict) else {}
+        snapshot_id, held = await self._snapshot(weights_only=meta.get("weights_only") is True)
         return manifest_payload(snapshot_id, self._node_id, held.snapshot)
 
     async def _on_fetch(self, request: Request) -> Payload:

@@ -102,9 +102,13 @@ class _Job:
         return start, min(self.piece_bytes, self.spec.nbytes - start)
 
 
-async def read_manifest(client: RpcClient, address: str, *, timeout_s: float) -> Donor:
-    """Ask ``address`` for a snapshot; raises RpcError or AgoraError for a bad answer."""
-    reply = await client.call(address, Method.STATE_MANIFEST, timeout_s=timeout_s)
+async def read_manifest(
+    client: RpcClient, address: str, *, timeout_s: float, weights_only: bool = False
+) -> Donor:
+    """Ask ``address`` for a snapshot (of its weights alone, with ``weights_only``); raises
+    RpcError or AgoraError for a bad answer."""
+    meta = {"weights_only": True} if weights_only else None
+    reply = await client.call(address, Method.STATE_MANIFEST, meta, timeout_s=timeout_s)
     meta = reply.meta if isinstance(reply.meta, dict) else {}
     entries, digests = meta.get("tensors"), reply.tensors.get("digests")
     if (
@@ -347,9 +351,10 @@ async def download_state(
     moments exist only once a replica has stepped) must be held by a donor for it to be used. Returns the snapshot and the finished download (its figures)."""
     if required is None:
         required = {name for name in expected if name.startswith(PARAM_PREFIX)}
+    weights_only = all(name.startswith(PARAM_PREFIX) for name in expected)  # donors copy less
     answers = await asyncio.gather(
         *(
-            read_manifest(client, a, timeout_s=config.manifest_timeout_s)
+            read_manifest(client, a, timeout_s=config.manifest_timeout_s, weights_only=weights_only)
             for a in addresses[: config.max_donors]
         ),
         return_exceptions=True,

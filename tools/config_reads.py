@@ -40,6 +40,8 @@ from agora_core.config.unimplemented import NOT_IMPLEMENTED
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = "packages/agora-core/src/agora_core/config/run.py"
+# Where the config dataclasses are defined: their own methods may read their fields.
+CONFIG_MODULES = (RUN_PY, "packages/agora-core/src/agora_core/config/lifecycle.py")
 DISPLAY_ONLY = {"packages/agora-core/src/agora_core/cli.py": {"config_check"}}
 RUN_NAMES = {"run", "_run"}
 
@@ -200,12 +202,13 @@ class ReadScanner:
                         self.returns[fn.name] = typed
         for path, source in sources.items():
             self.scan(path, source)
-        self.credit_methods(sources[RUN_PY])
+        for module in CONFIG_MODULES:
+            self.credit_methods(sources[module], module)
 
-    def credit_methods(self, run_py: str) -> None:
+    def credit_methods(self, source: str, path: str) -> None:
         """A read method or property of a config class reads the fields it touches via self."""
         touched: dict[tuple[str, str], set[str]] = {}
-        for cls in ast.walk(ast.parse(run_py)):
+        for cls in ast.walk(ast.parse(source)):
             if isinstance(cls, ast.ClassDef) and cls.name in self.classes:
                 for fn in cls.body:
                     if isinstance(fn, ast.FunctionDef) and fn.name != "__post_init__":
@@ -217,7 +220,7 @@ class ReadScanner:
             owner, method = pending.pop()
             for member in touched[(owner, method)]:
                 first = (owner, member) not in self.reads
-                self.reads[(owner, member)].append(f"{RUN_PY}: via {owner}.{method}")
+                self.reads[(owner, member)].append(f"{path}: via {owner}.{method}")
                 if first and (owner, member) in touched:
                     pending.append((owner, member))
 

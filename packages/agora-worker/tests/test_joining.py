@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from agora_core.config import RunConfig, SurrogateConfig
-from agora_core.config.run import DhtConfig, JoinConfig, ModelConfig, OptimizerConfig, SyncConfig
+from agora_core.config.lifecycle import JoinConfig, SyncConfig
+from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.contract import Method, Phase
 from agora_core.dht import DhtNode
 from agora_core.errors import BadRequest, NotServing

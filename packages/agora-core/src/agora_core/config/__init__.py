@@ -1,21 +1,18 @@
 """Run configuration (one TOML per run) and node-local settings (flags and AGORA_* env)."""
 
+from agora_core.config.lifecycle import CheckpointConfig, JoinConfig, SyncConfig, TerminationConfig
 from agora_core.config.loader import build, require
 from agora_core.config.node import NodeSettings, resolve_settings
 from agora_core.config.run import (
     AdmissionConfig,
     AveragingConfig,
-    CheckpointConfig,
     ClippingConfig,
     DataConfig,
     DhtConfig,
-    JoinConfig,
     ModelConfig,
     OptimizerConfig,
     RunConfig,
     SurrogateConfig,
-    SyncConfig,
-    TerminationConfig,
     TransportConfig,
     load_run_config,
     parse_run_config,

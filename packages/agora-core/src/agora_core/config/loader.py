@@ -18,6 +18,8 @@ from typing import Any, Literal, Union
 
 from agora_core.errors import ConfigError
 
+MiB = 1 << 20
+
 
 def require(condition: bool, key: str, reason: str) -> None:
     """For ``__post_init__`` checks: raise ConfigError(key, reason) unless ``condition``."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agora_core.config.run import JoinConfig
+from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, RpcError
 from agora_core.logs import get_logger

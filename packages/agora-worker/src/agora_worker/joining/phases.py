@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agora_core.config.run import SyncConfig
+from agora_core.config.lifecycle import SyncConfig
 from agora_core.contract import Phase
 from agora_core.logs import get_logger
 

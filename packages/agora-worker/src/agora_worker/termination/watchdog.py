@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from agora_core.config.run import TerminationConfig
+from agora_core.config.lifecycle import TerminationConfig
 from agora_core.contract import DepartureReason
 from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import OwnedEntry

@@ -15,10 +15,8 @@ from agora_core.config import RunConfig, SurrogateConfig
 from agora_core.config.lifecycle import JoinConfig, SyncConfig
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.contract import Method, Phase
-from agora_core.dht import DhtNode
 from agora_core.errors import BadRequest, NotServing
-from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.linkemu import LinkConfig
 from agora_core.rpc import Payload, RpcClient, RpcServer
 from agora_core.testing import wait_until_async
 from agora_worker.joining import PhaseTracker, StateDownloadFailed, download_state
@@ -43,42 +41,6 @@ BIG = dataclasses.replace(
 FAST = WorkerSettings(
     device="cpu", max_batch_samples=16, progress_interval_s=0.05, announce_interval_s=0.2, shutdown_grace_s=5
 )
-
-
-@pytest.fixture
-async def seed():
-    node = DhtNode(key=NodeKey.generate(), config=DHT)
-    await node.start()
-    yield node
-    await node.stop()
-
-
-@pytest.fixture
-async def workers(seed):
-    started: list[Worker] = []
-
-    async def make(stage: int, run: RunConfig = RUN, link: LinkConfig | None = None, **settings) -> Worker:
-        worker = Worker(
-            run=run,
-            stage=stage,
-            key=NodeKey.generate(),
-            bootstrap=[seed.address],
-            settings=dataclasses.replace(FAST, **settings),
-            link=LinkEmulator(link) if link else None,
-        )
-        started.append(worker)
-        await worker.start()
-        return worker
-
-    yield make
-    await asyncio.gather(*(w.stop(grace_s=1) for w in started), return_exceptions=True)
-
-
-@pytest.fixture
-async def client():
-    cli = RpcClient()
-    yield cli
-    await cli.close()
 
 
 async def capture(worker: Worker):

@@ -14,10 +14,7 @@ import torch
 
 from agora_core.config import RunConfig, SurrogateConfig
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
-from agora_core.dht import DhtNode
 from agora_core.errors import BadRequest, StageMismatch
-from agora_core.identity import NodeKey
-from agora_core.rpc import RpcClient
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_core.testing import spawn_python, wait_until_async
 from agora_worker.model import build_stage
@@ -32,35 +29,6 @@ RUN = RunConfig(name="t", seed=3, model=MODEL, dht=DHT, optimizer=OptimizerConfi
 FAST = WorkerSettings(
     device="cpu", max_batch_samples=16, progress_interval_s=0.05, announce_interval_s=0.2, shutdown_grace_s=5
 )
-
-
-@pytest.fixture
-async def seed():
-    node = DhtNode(key=NodeKey.generate(), config=DHT)
-    await node.start()
-    yield node
-    await node.stop()
-
-
-@pytest.fixture
-async def workers(seed):
-    started: list[Worker] = []
-
-    async def make(stage: int, run: RunConfig = RUN) -> Worker:
-        worker = Worker(run=run, stage=stage, key=NodeKey.generate(), bootstrap=[seed.address], settings=FAST)
-        started.append(worker)
-        await worker.start()
-        return worker
-
-    yield make
-    await asyncio.gather(*(w.stop(grace_s=1) for w in started), return_exceptions=True)
-
-
-@pytest.fixture
-async def client():
-    cli = RpcClient()
-    yield cli
-    await cli.close()
 
 
 def sample(b: int = 1, t: int = 8, seed: int = 0):

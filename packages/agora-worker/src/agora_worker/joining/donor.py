@@ -38,7 +38,6 @@ MAX_SNAPSHOTS = 2
 @dataclass
 class _Held:
     snapshot: StateSnapshot
-    taken_at: float
     weights_only: bool  # no AdamW state: for tools exporting the model
     last_used: float = field(default_factory=time.monotonic)
     views: dict[str, np.ndarray] = field(default_factory=dict)  # name -> its bytes, flat uint8
@@ -88,10 +87,6 @@ class StateDonor:
         server.register(Method.STATE_MANIFEST, self._on_manifest)
         server.register(Method.STATE_FETCH, self._on_fetch)
 
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
     def close(self) -> None:
         """Drop every snapshot (the worker stops)."""
         if self._sweep is not None:
@@ -130,7 +125,7 @@ class StateDonor:
             snapshot = await asyncio.wrap_future(self._runtime.call(capture))
             copied_s = time.monotonic() - started
             await asyncio.to_thread(snapshot.digests)  # hashing releases the GIL
-            held = _Held(snapshot, taken_at=time.monotonic(), weights_only=weights_only)
+            held = _Held(snapshot, weights_only=weights_only)
             held.views = {n: a.reshape(-1).view(np.uint8) for n, a in snapshot.tensors.items()}
             while len(self._held) >= MAX_SNAPSHOTS:
                 oldest = min(self._held, key=lambda i: self._held[i].last_used)

@@ -31,14 +31,12 @@ class PhaseTracker:
         self.phase: Phase = override or Phase.SERVING
         self.since_step = 0  # the step this phase began at
         self._on_change = on_change
-        self.changes = 0
 
     def enter(self, phase: Phase, step: int, *, reason: str) -> None:
         if self.override is not None or phase is self.phase:
             return
         log.info("phase_changed", previous=self.phase, phase=phase, step=step, reason=reason)
         self.phase, self.since_step = phase, step
-        self.changes += 1
         if self._on_change is not None:
             self._on_change(phase)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from agora_core.config.admission import AdmissionConfig
 from agora_core.config.lifecycle import CheckpointConfig, JoinConfig, SyncConfig, TerminationConfig
 from agora_core.config.loader import MiB, build, require
 from agora_core.config.unimplemented import refuse_not_implemented
@@ -236,25 +237,6 @@ class TransportConfig:
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be positive")
         require(self.stream_window >= 1, "stream_window", "must be >= 1")
-
-
-@dataclass(kw_only=True, frozen=True)
-class AdmissionConfig:
-    # open: no authorizer, anyone may join (private experiments). authorized: nodes need a
-    # credential signed by the authorizer whose public key is given here. Not implemented yet:
-    # the authorizer does not exist, so a config asking for "authorized" or naming a key is
-    # refused (config/unimplemented.py).
-    mode: Literal["open", "authorized"] = "open"
-    authorizer_public_key: str | None = None  # hex Ed25519 public key
-
-    def __post_init__(self) -> None:
-        if self.mode == "authorized":
-            key = self.authorizer_public_key or ""
-            require(
-                len(key) == 64 and all(c in "0123456789abcdefABCDEF" for c in key),
-                "authorizer_public_key",
-                'mode "authorized" needs the authorizer\'s 64-hex-digit Ed25519 public key',
-            )
 
 
 @dataclass(kw_only=True, frozen=True)

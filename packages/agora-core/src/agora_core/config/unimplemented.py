@@ -22,12 +22,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
         "trainers take samples in shard order; shard rotation (tools/, a later milestone) brings it, "
         "until then tools/make_shards.py --seed shuffles the files the shards are made from"
     ),
-    "admission.mode": (
-        'the authorizer (agora-authorizer, a later milestone) does not exist yet: every run is "open"'
-    ),
-    "admission.authorizer_public_key": (
-        "the authorizer (agora-authorizer, a later milestone) does not exist yet: nothing checks credentials"
-    ),
 }
 
 

@@ -1,0 +1,3 @@
+from agora_authorizer.cli import main
+
+main()

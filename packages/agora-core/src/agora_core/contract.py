@@ -35,6 +35,15 @@ class Method:
     # workers: state transfer to a joining replica (and to tools exporting the model)
     STATE_MANIFEST = "state.manifest"  # take (or reuse) a snapshot; its tensors and digests
     STATE_FETCH = "state.fetch"  # a byte range of one tensor of a snapshot
+    # the authorizer (agora-authorizer): called by joining nodes and operators
+    ADMISSION_JOIN = "admission.join"  # a signed join request: checked, queued or refused
+    ADMISSION_POLL = "admission.poll"  # where a queued request stands; its credential once admitted
+    ADMISSION_REFRESH = "admission.refresh"  # a signed refresh: the next credential, or why not
+    ADMISSION_STATUS = "admission.status"  # queue, admitted per stage, refusals by reason
+    # every joining node: the authorizer's dial-back (agora_core.admission.answerer)
+    ADMISSION_PROVE = "admission.prove"  # sign a fresh nonce with the requesting key
+    ADMISSION_PROBE = "admission.probe"  # send N random bytes (the bandwidth measurement)
+    ADMISSION_CHALLENGE = "admission.challenge"  # the seeded matmul's row digests
     # `agora serve` (the transport self-check)
     PING = "ping"
     ECHO = "echo"

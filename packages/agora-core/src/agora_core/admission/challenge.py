@@ -32,9 +32,7 @@ def challenge_matrices(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
 def row_digests(product: np.ndarray) -> bytes:
     """Concatenated per-row digests of an integer-valued product."""
     exact = np.ascontiguousarray(product.astype(np.int32))
-    return b"".join(
-        hashlib.blake2b(row.tobytes(), digest_size=ROW_DIGEST_BYTES).digest() for row in exact
-    )
+    return b"".join(hashlib.blake2b(row.tobytes(), digest_size=ROW_DIGEST_BYTES).digest() for row in exact)
 
 
 def answer_challenge(

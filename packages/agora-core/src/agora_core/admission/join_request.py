@@ -46,7 +46,11 @@ class HardwareReport:
             return None
         if not isinstance(value.get("device_name", ""), str):
             return None
-        return cls(device=value["device"], device_name=value.get("device_name", ""), **{n: value.get(n, 0) for n in ints})
+        return cls(
+            device=value["device"],
+            device_name=value.get("device_name", ""),
+            **{n: value.get(n, 0) for n in ints},
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +121,9 @@ def open_join_request(value: Any, *, run: str, now: float, max_age_s: float) -> 
     ):
         return Refusal(RefusalReason.BAD_SIGNATURE, "the request is not signed by the key it names")
     if fields["run"] != run:
-        return Refusal(RefusalReason.OTHER_RUN, f"this authorizer admits to run {run!r}, not {fields['run']!r}")
+        return Refusal(
+            RefusalReason.OTHER_RUN, f"this authorizer admits to run {run!r}, not {fields['run']!r}"
+        )
     stale = _freshness(float(timestamp), now, max_age_s)
     if stale is not None:
         return stale

@@ -1,0 +1,73 @@
+"""The joining node's side of the authorizer's dial-back: prove the key, send bytes, compute.
+
+The authorizer dials the address a join request advertised and asks three things: a
+signature over a fresh nonce (reachability, and possession of the requesting key), a blob of
+random bytes of the size it names (it times the transfer: bandwidth), and the compute
+challenge (:mod:`agora_core.admission.challenge`). A node serves these on its ordinary RPC
+port from before it asks to join until it has its credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from agora_core.admission.challenge import MAX_WIDTH, answer_challenge
+from agora_core.contract import Method
+from agora_core.errors import BadRequest
+from agora_core.identity import NodeKey
+from agora_core.rpc import Payload, Request, RpcServer
+
+PROVE_CONTEXT = b"agora-admission-prove-v1"
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+NONCE_BYTES = 32
+
+
+def prove_message(run: str, nonce: bytes) -> bytes:
+    """What a joining node signs to prove it holds its key, for run ``run``."""
+    return PROVE_CONTEXT + b"\0" + run.encode() + b"\0" + nonce
+
+
+class DialBackAnswerer:
+    """Serves ``admission.prove``, ``admission.probe`` and ``admission.challenge``."""
+
+    def __init__(
+        self, key: NodeKey, run: str, matmul: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.matmul
+    ):
+        self.key = key
+        self.run = run
+        self.matmul = matmul  # a worker passes one that runs on its device
+        self.challenges = 0
+
+    def register(self, server: RpcServer) -> None:
+        server.register(Method.ADMISSION_PROVE, self._on_prove)
+        server.register(Method.ADMISSION_PROBE, self._on_probe)
+        server.register(Method.ADMISSION_CHALLENGE, self._on_challenge)
+
+    async def _on_prove(self, request: Request) -> Payload:
+        nonce = request.meta.get("nonce") if isinstance(request.meta, dict) else None
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise BadRequest(f"admission.prove needs {{'nonce': {NONCE_BYTES} bytes}}")
+        return Payload(
+            {"signature": self.key.sign(prove_message(self.run, nonce)), "node_id": self.key.node_id}
+        )
+
+    async def _on_probe(self, request: Request) -> Payload:
+        size = request.meta.get("bytes") if isinstance(request.meta, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_PROBE_BYTES:
+            raise BadRequest(f"admission.probe needs {{'bytes': n}} with 0 <= n <= {MAX_PROBE_BYTES}")
+        return Payload({"probe": os.urandom(size)})  # random: no compression can shrink it
+
+    async def _on_challenge(self, request: Request) -> Payload:
+        meta = request.meta if isinstance(request.meta, dict) else {}
+        seed, n = meta.get("seed"), meta.get("n")
+        if not isinstance(seed, int) or not isinstance(n, int) or not 1 <= n <= MAX_WIDTH or seed < 0:
+            raise BadRequest(f"admission.challenge needs {{'seed': int >= 0, 'n': 1..{MAX_WIDTH}}}")
+        started = time.perf_counter()
+        rows = await asyncio.to_thread(answer_challenge, seed, n, self.matmul)
+        self.challenges += 1
+        return Payload({"rows": rows, "seconds": time.perf_counter() - started})

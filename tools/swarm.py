@@ -2,7 +2,8 @@
 """A whole Agora run on this machine: DHT seed, workers and trainers, each its own process.
 
     python tools/swarm.py up [--config examples/tiny.toml] [--replicas 2] [--trainers 1] [--lanes 8]
-                             [--samples N] [--duration S] [--run-dir DIR]
+                             [--samples N] [--duration S] [--run-dir DIR] [--open]
+    python tools/swarm.py status [--run-dir DIR]               # its processes, authorizer, DHT
     python tools/swarm.py kill-worker STAGE [--run-dir DIR]    # SIGKILL one worker of STAGE
     python tools/swarm.py add-worker STAGE [--run-dir DIR]     # start one more worker for STAGE
     python tools/swarm.py restart-worker NAME [--run-dir DIR]  # start a killed worker again, --resume
@@ -13,6 +14,13 @@ everything on 127.0.0.1 with one log file per process under the run directory, p
 status line every few seconds (step per stage, loss, tokens/s, workers per stage, averaging
 success), and stops everything when the trainers are done, after --duration, or on Ctrl-C.
 The processes of a swarm are listed in RUN_DIR/swarm.json, which the other commands read.
+
+A swarm is authorized by default, like a public run: ``up`` creates an authorizer key, writes
+RUN_DIR/run.toml (the config with ``[admission] mode = "authorized"`` and that key; every
+node runs on it), opens the account ``swarm`` and starts ``agora-authorizer serve``, which
+admits every worker and trainer and places each worker on a stage (``swarm_authorizer.py``).
+``add-worker STAGE`` and ``restart-worker`` pin the worker's key to its stage first. ``--open``
+runs without an authorizer: each worker is told its stage.
 
 Every worker checkpoints into RUN_DIR/checkpoints/<name>/ (and once more when it stops). The
 last shard is held out: no trainer gets it. When the swarm has stopped, ``up`` exports the
@@ -39,19 +47,22 @@ import click
 from agora_core.config import load_run_config
 from agora_core.logs import configure_logging
 from agora_trainer.shards import open_shards
+from swarm_authorizer import authorize, db_url
 from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a script, from any cwd
     SwarmFile,
     alive,
     kill_last_worker,
     restart_worker,
+    start_authorizer,
     start_seed,
     start_trainer,
     start_worker,
     stop_all,
     wait_for_line,
+    wait_placed,
     wait_serving,
 )
-from swarm_status import summarize, watch
+from swarm_status import describe_swarm, summarize, watch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "tiny.toml"
@@ -155,6 +166,12 @@ run_dir_option = click.option(
     show_default=True,
     help="At the end, export the model and print its held-out loss and a sample.",
 )
+@click.option(
+    "--open",
+    "open_run",
+    is_flag=True,
+    help="No authorizer: an open run, each worker told its stage (the config's [admission] mode stays).",
+)
 @run_dir_option
 def up(
     config,
@@ -168,6 +185,7 @@ def up(
     worker_args,
     trainer_args,
     export,
+    open_run,
     run_dir,
 ) -> None:
     """Start a swarm and watch it train until it is done, --duration passes, or Ctrl-C."""
@@ -191,7 +209,13 @@ def up(
     for old_file in [*run_dir.glob("logs/*.log"), *run_dir.glob("*.losses.jsonl")]:
         old_file.unlink()
     (run_dir / "data").mkdir()
-    swarm = SwarmFile(str(run_dir), str(Path(config).resolve()))
+    if open_run and run.admission.authorized:
+        raise click.BadParameter(
+            f'{config} says [admission] mode = "authorized": --open needs an open config'
+        )
+    swarm = SwarmFile(str(run_dir), str(Path(config).resolve()), authorized=not open_run)
+    if swarm.authorized:
+        swarm.config = str(authorize(run_dir, config))  # every node runs on RUN_DIR/run.toml
     swarm.save()  # replaces the last run's file: what `finally` stops is this run's
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupted)  # `kill` stops the swarm like Ctrl-C does
@@ -201,15 +225,22 @@ def up(
             f"run {run.name!r}: {run.model.n_stages} stages x {replicas} workers, {trainers} x {lanes} lanes"
         )
         click.echo(f"  dht seed   {swarm.seed_address}   logs in {run_dir / 'logs'}")
-        workers = [
-            start_worker(swarm, stage, worker_args)
+        if swarm.authorized:
+            start_authorizer(swarm)
+            click.echo(f"  authorizer {swarm.authorizer_address}   account swarm, database {db_url(run_dir)}")
+        workers = [  # an authorized swarm's are placed by the authorizer, the same number per stage
+            start_worker(swarm, None if swarm.authorized else stage, worker_args)
             for stage in range(run.model.n_stages)
             for _ in range(replicas)
         ]
         for member, proc in workers:
+            wait_placed(member, proc)
             member.address = wait_serving(member, proc)
-        swarm.save()
-        click.echo(f"  workers    {len(workers)} serving, checkpoints in {run_dir / 'checkpoints'}")
+            swarm.save()
+        stages = [sum(m.stage == s for m, _ in workers) for s in range(run.model.n_stages)]
+        click.echo(
+            f"  workers    {len(workers)} serving, per stage {stages}; checkpoints in {run_dir / 'checkpoints'}"
+        )
         shard_files, kept = held_out(sorted(p for p in shards.glob("*.json")))
         trainer_procs = [
             start_trainer(
@@ -249,40 +280,58 @@ def kill_worker(stage, run_dir) -> None:
     victim = kill_last_worker(SwarmFile.load(run_dir), stage)
     if victim is None:
         raise click.ClickException(f"stage {stage} has no live worker in {run_dir}")
-    click.echo(f"killed {victim.name} (pid {victim.pid})")
+    click.echo(f"killed {victim.name} (stage {stage}, pid {victim.pid})")
 
 
 @main.command("add-worker")
 @click.argument("stage", type=int)
 @run_dir_option
 def add_worker(stage, run_dir) -> None:
-    """Start one more worker for STAGE in a running swarm; returns once it serves."""
+    """Start one more worker for STAGE in a running swarm (pinned there, in an authorized
+    swarm); returns once it serves."""
     swarm = SwarmFile.load(run_dir)
     run = load_run_config(swarm.config)
     if not 0 <= stage < run.model.n_stages:
         raise click.BadParameter(f"the run has stages 0..{run.model.n_stages - 1}")
     member, proc = start_worker(swarm, stage)
+    placed = wait_placed(member, proc)
+    if placed != stage:
+        raise click.ClickException(
+            f"{member.name} was placed on stage {placed}, not {stage}; see {member.log}"
+        )
     member.address = wait_serving(member, proc)
     swarm.save()
-    click.echo(f"added {member.name} at {member.address} (pid {member.pid})")
+    click.echo(f"added {member.name} on stage {stage} at {member.address} (pid {member.pid})")
 
 
 @main.command("restart-worker")
 @click.argument("name")
 @run_dir_option
 def restart_worker_command(name, run_dir) -> None:
-    """Start the stopped or killed worker NAME (e.g. worker-1-0) again with --resume: same key,
-    same checkpoint directory; it continues from its newest valid checkpoint."""
+    """Start the stopped or killed worker NAME (e.g. worker-3) again with --resume: same key,
+    same checkpoint directory, same stage (pinned, in an authorized swarm); it continues from
+    its newest valid checkpoint."""
     swarm = SwarmFile.load(run_dir)
     member = next((m for m in swarm.members if m.name == name), None)
     if member is None:
         workers = ", ".join(m.name for m in swarm.members if m.role == "worker")
         raise click.BadParameter(f"no worker {name!r} in {run_dir}; its workers: {workers}")
     proc, offset = restart_worker(swarm, member)
+    wait_placed(member, proc, after_bytes=offset)
     member.address = wait_serving(member, proc, after_bytes=offset)
     swarm.save()
     resumed = wait_for_line(proc, Path(member.log), "  resumed    ", 10.0, after_bytes=offset)
     click.echo(f"restarted {name} at {member.address} (pid {member.pid}), resumed from {resumed}")
+
+
+@main.command()
+@run_dir_option
+def status(run_dir) -> None:
+    """What the swarm in RUN_DIR runs: its processes, its authorizer and how many nodes it
+    admitted, and what its DHT says (steps, loss, workers per stage)."""
+    swarm = SwarmFile.load(run_dir)
+    for line in describe_swarm(swarm):
+        click.echo(line)
 
 
 @main.command()

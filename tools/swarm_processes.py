@@ -1,8 +1,11 @@
 """The processes of a local swarm: starting, tracking and stopping its nodes.
 
-Every node (the DHT seed, each worker, each trainer) is its own ``python -m ...`` process with
-its log file under the run directory; RUN_DIR/swarm.json (:class:`SwarmFile`) lists them, so a
-later ``swarm.py`` command can act on a swarm another one started.
+Every node (the DHT seed, the authorizer, each worker, each trainer) is its own ``python -m ...``
+process with its log file under the run directory; RUN_DIR/swarm.json (:class:`SwarmFile`)
+lists them, so a later ``swarm.py`` command can act on a swarm another one started. Workers
+are named in the order they were started (``worker-0``, ``worker-1``, ...): in an authorized
+swarm the authorizer, not the swarm, decides each one's stage, which swarm.json records once
+the worker says it (its ``  stage      N`` startup line).
 """
 
 from __future__ import annotations
@@ -14,26 +17,32 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import click
+
+import swarm_authorizer
+from agora_core.identity import NodeKey
 
 STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
 # One compute thread per process: a swarm on a laptop has more processes than cores.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_FORMAT": "console"}
 SERVING_PREFIX = "  serving    "  # a node's startup line that carries its address
+STAGE_PREFIX = "  stage      "  # a worker's startup line that names its stage (placed or given)
+STOP_ORDER = ("trainer", "worker", "authorizer", "dht")  # who stops first
 
 
 @dataclass
 class Member:
-    role: str  # dht, worker, trainer
-    name: str  # e.g. worker-1-0
+    role: str  # dht, authorizer, worker, trainer
+    name: str  # e.g. worker-3
     pid: int
     log: str
-    stage: int | None = None
+    stage: int | None = None  # a worker's, once known (in an authorized swarm: once placed)
     address: str = ""
     alive: bool = True
+    node_id: str = ""
 
 
 @dataclass
@@ -41,9 +50,11 @@ class SwarmFile:
     """RUN_DIR/swarm.json: what ``up`` started, so ``down``/``kill-worker``/``add-worker`` can act."""
 
     run_dir: str
-    config: str
+    config: str  # the run config every node is started with (an authorized swarm's run.toml)
     seed_address: str = ""
     members: list[Member] = field(default_factory=list)
+    authorized: bool = False  # an authorizer admits the nodes (swarm.py up without --open)
+    authorizer_address: str = ""
 
     @property
     def path(self) -> Path:
@@ -60,12 +71,19 @@ class SwarmFile:
         if not path.exists():
             raise click.ClickException(f"no swarm in {run_dir} (no swarm.json): start one with `swarm.py up`")
         data = json.loads(path.read_text())
-        return cls(
-            data["run_dir"], data["config"], data["seed_address"], [Member(**m) for m in data["members"]]
-        )
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        return cls(**{**data, "members": [Member(**m) for m in data["members"]]})
+
+    def node_flags(self) -> tuple[list[str], dict[str, str]]:
+        """The flags and environment every worker and trainer is started with."""
+        if not self.authorized:
+            return [], {}
+        run_dir = Path(self.run_dir)
+        return swarm_authorizer.node_flags(self.authorizer_address), swarm_authorizer.node_env(run_dir)
 
 
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "ab")
     try:
         return subprocess.Popen(
@@ -73,7 +91,7 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **CHILD_ENV},
+            env={**os.environ, **CHILD_ENV, **(env or {})},
             start_new_session=True,  # Ctrl-C reaches `up`, which stops the children in order
         )
     finally:
@@ -130,21 +148,41 @@ def start_seed(swarm: SwarmFile) -> subprocess.Popen:
     return proc
 
 
+def start_authorizer(swarm: SwarmFile) -> subprocess.Popen:
+    """Start the authorizer (after the seed: it joins the DHT) and record it; its address is
+    ``swarm.authorizer_address`` once it serves."""
+    run_dir = Path(swarm.run_dir)
+    log = run_dir / "logs" / "authorizer.log"
+    proc = spawn(swarm_authorizer.serve_args(run_dir, swarm.config, swarm.seed_address), log)
+    member = Member("authorizer", "authorizer", proc.pid, str(log))
+    swarm.members.append(member)
+    swarm.save()
+    member.address = swarm.authorizer_address = wait_serving(member, proc)
+    swarm.save()
+    return proc
+
+
 def checkpoint_dir(swarm: SwarmFile, name: str) -> Path:
     """Where worker ``name`` keeps its checkpoints: one directory per worker."""
     return Path(swarm.run_dir) / "checkpoints" / name
 
 
-def _worker_args(swarm: SwarmFile, stage: int, name: str, extra: tuple[str, ...]) -> list[str]:
+def key_file(swarm: SwarmFile, name: str) -> Path:
+    return Path(swarm.run_dir) / "keys" / f"{name}.key"
+
+
+def _worker_args(swarm: SwarmFile, stage: int | None, name: str, extra: tuple[str, ...]) -> list[str]:
+    """An open swarm's worker serves ``stage``; an authorized swarm's is placed (or pinned)."""
     run_dir = Path(swarm.run_dir)
+    flags, _ = swarm.node_flags()
+    placement = flags if swarm.authorized else ["--stage", str(stage)]
     return [
         "-m",
         "agora_worker",
         "run",
         "--config",
         swarm.config,
-        "--stage",
-        str(stage),
+        *placement,
         "--bootstrap",
         swarm.seed_address,
         "--key-file",
@@ -162,17 +200,30 @@ def _worker_args(swarm: SwarmFile, stage: int, name: str, extra: tuple[str, ...]
 
 
 def start_worker(
-    swarm: SwarmFile, stage: int, extra: tuple[str, ...] = ()
+    swarm: SwarmFile, stage: int | None, extra: tuple[str, ...] = ()
 ) -> tuple[Member, subprocess.Popen]:
+    """Start the next worker: on ``stage`` (an authorized swarm pins its key there first), or
+    wherever the authorizer places it (``stage`` None; :func:`wait_placed` learns where)."""
+    if stage is None and not swarm.authorized:
+        raise click.ClickException("an open swarm's workers need a stage: nobody places them")
     run_dir = Path(swarm.run_dir)
-    index = sum(1 for m in swarm.members if m.role == "worker" and m.stage == stage)
-    name = f"worker-{stage}-{index}"
+    name = f"worker-{sum(1 for m in swarm.members if m.role == 'worker')}"
+    node_id = NodeKey.load_or_create(key_file(swarm, name)).node_id  # known before it starts
+    if swarm.authorized and stage is not None:
+        swarm_authorizer.pin(run_dir, node_id, stage)
     log = run_dir / "logs" / f"{name}.log"
-    proc = spawn(_worker_args(swarm, stage, name, extra), log)
-    member = Member("worker", name, proc.pid, str(log), stage=stage)
+    proc = spawn(_worker_args(swarm, stage, name, extra), log, swarm.node_flags()[1])
+    member = Member("worker", name, proc.pid, str(log), stage=stage, node_id=node_id)
     swarm.members.append(member)
     swarm.save()
     return member, proc
+
+
+def wait_placed(member: Member, proc: subprocess.Popen, *, after_bytes: int = 0) -> int:
+    """The stage a started worker serves, once its log says so (recorded in ``member``)."""
+    line = wait_for_line(proc, Path(member.log), STAGE_PREFIX, STARTUP_TIMEOUT_S, after_bytes=after_bytes)
+    member.stage = int(line.split()[0])
+    return member.stage
 
 
 def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, int]:
@@ -183,9 +234,13 @@ def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, 
         raise click.ClickException(f"{member.name} is not a worker")
     if member.alive and alive(member.pid):
         raise click.ClickException(f"{member.name} is still running (pid {member.pid})")
+    if swarm.authorized:  # back on the stage whose checkpoints it holds
+        swarm_authorizer.pin(
+            Path(swarm.run_dir), NodeKey.load(key_file(swarm, member.name)).node_id, member.stage
+        )
     log = Path(member.log)
     offset = log.stat().st_size if log.exists() else 0
-    proc = spawn(_worker_args(swarm, member.stage, member.name, ("--resume",)), log)
+    proc = spawn(_worker_args(swarm, member.stage, member.name, ("--resume",)), log, swarm.node_flags()[1])
     member.pid, member.alive, member.address = proc.pid, True, ""
     swarm.save()
     return proc, offset
@@ -205,10 +260,12 @@ def start_trainer(
     run_dir = Path(swarm.run_dir)
     name = f"trainer-{index}"
     log = run_dir / "logs" / f"{name}.log"
+    flags, env = swarm.node_flags()
     args = [
         "-m",
         "agora_trainer",
         "run",
+        *flags,
         "--config",
         swarm.config,
         "--shards",
@@ -229,7 +286,7 @@ def start_trainer(
     if samples:
         args += ["--max-samples", str(samples)]
     args += extra
-    proc = spawn(args, log)
+    proc = spawn(args, log, env)
     swarm.members.append(Member("trainer", name, proc.pid, str(log)))
     swarm.save()  # at once: if starting the next one fails, `up` still stops this one
     return proc
@@ -263,9 +320,9 @@ def kill_last_worker(swarm: SwarmFile, stage: int) -> Member | None:
 
 
 def stop_all(swarm: SwarmFile, timeout_s: float = 20.0) -> None:
-    """SIGTERM trainers first (their lanes finish), then workers, then the seed; SIGKILL stragglers."""
-    order = {"trainer": 0, "worker": 1, "dht": 2}
-    for role in sorted(order, key=order.get):
+    """SIGTERM trainers first (their lanes finish), then workers, then the authorizer, then the
+    seed; SIGKILL stragglers."""
+    for role in STOP_ORDER:
         members = [m for m in swarm.members if m.role == role and alive(m.pid)]
         for m in members:
             with contextlib.suppress(ProcessLookupError):

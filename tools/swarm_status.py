@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import click
 
+import swarm_authorizer
+from agora_core.config import load_run_config
 from agora_core.contract import Phase
 from agora_core.dht import DhtNode, RecordRejected
 from agora_core.errors import AgoraError
@@ -33,6 +35,7 @@ from agora_core.schema import (
     stage_workers_key,
     trainer_progress_key,
 )
+from swarm_processes import alive
 
 T = TypeVar("T")
 
@@ -134,6 +137,38 @@ async def watch(
                     return
                 await asyncio.sleep(0.2)
             click.echo(format_status(await reader.snapshot(), time.monotonic() - started))
+
+
+def describe_swarm(swarm) -> list[str]:
+    """``swarm.py status``: the swarm's processes (role, name, stage, pid, address), its
+    authorizer with the nodes it admitted, and one status line read from its DHT."""
+    run_dir = Path(swarm.run_dir)
+    lines = [f"swarm in {run_dir}: config {swarm.config}", f"  dht seed   {swarm.seed_address or '-'}"]
+    if swarm.authorized:
+        admitted = swarm_authorizer.admitted(run_dir)
+        if admitted is None:
+            count = "admitted: unknown (its database cannot be read)"
+        else:
+            stages = ", ".join(f"{s}: {n}" for s, n in admitted["workers_per_stage"].items()) or "none"
+            count = f"admitted {sum(admitted['by_role'].values())} nodes (workers per stage {stages})"
+        lines.append(f"  authorizer {swarm.authorizer_address or '-'}   {count}")
+    else:
+        lines.append("  admission  open: no authorizer")
+    for m in swarm.members:
+        state = "running" if m.alive and alive(m.pid) else "stopped"
+        stage = "" if m.stage is None else f"stage {m.stage}"
+        lines.append(f"  {m.role:<10} {m.name:<11} {stage:<8} pid {m.pid:<7} {state:<8} {m.address}")
+    running = any(m.role == "dht" and m.alive and alive(m.pid) for m in swarm.members)
+    if running and swarm.seed_address:
+        run = load_run_config(swarm.config)
+
+        async def once() -> dict:
+            async with StatusReader(run, swarm.seed_address) as reader:
+                return await reader.snapshot()
+
+        with contextlib.suppress(AgoraError, TimeoutError, OSError):
+            lines.append(format_status(asyncio.run(once()), 0.0).split("] ", 1)[1])
+    return lines
 
 
 def summarize(run_dir: Path, started: float, seq_len: int) -> None:

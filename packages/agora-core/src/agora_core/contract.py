@@ -95,3 +95,5 @@ class DepartureReason(enum.StrEnum):
     NO_PROGRESS = "no_progress"  # it held samples while its stage's step did not move
     HOST_MEMORY = "host_memory"  # its resident memory passed the limit
     AVERAGING_FAILURES = "averaging_failures"  # too many of its recent averaging rounds failed
+    # its credential was refused a refresh, expired, or its node is on the revocation list
+    CREDENTIAL_LOST = "credential_lost"

@@ -86,6 +86,11 @@ class NodeMetrics:
         self._metrics: dict[str, tuple[type, tuple[str, ...], object]] = {}
         self._lock = threading.Lock()
 
+    def set_stage(self, stage: int | None) -> None:
+        """Label every sample with ``stage`` from now on: a worker of an authorized run learns
+        its stage from the authorizer after its RPC server (and its metrics) started."""
+        self.labels["stage"] = "" if stage is None else str(stage)
+
     def _declare(self, cls, name: str, documentation: str, labelnames: Sequence[str], **kwargs):
         if not name.startswith("agora_"):
             raise ValueError(f"metric {name!r} must carry the agora_ prefix")

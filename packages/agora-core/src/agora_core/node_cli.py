@@ -1,7 +1,7 @@
 """Command-line options every Agora node shares, for the role CLIs built on click.
 
 ``@node_options`` adds ``--listen --advertise --bootstrap --key-file --metrics-port --link
---log-format`` to a command; :func:`resolve_node` turns what the user gave into
+--log-format --authorizer --account --account-token`` to a command; :func:`resolve_node` turns what the user gave into
 :class:`NodeSettings` (flags over ``AGORA_*`` variables over defaults), and :func:`fail`
 prints an expected failure as one line instead of a traceback.
 """
@@ -20,7 +20,17 @@ from agora_core.errors import ConfigError
 from agora_core.logs import configure_logging
 
 S = TypeVar("S")
-NODE_OPTIONS = ("listen", "advertise", "key_file", "metrics_port", "link", "log_format")
+NODE_OPTIONS = (
+    "listen",
+    "advertise",
+    "key_file",
+    "metrics_port",
+    "link",
+    "log_format",
+    "authorizer",
+    "account",
+    "account_token",
+)
 
 _OPTIONS = [
     click.option("--listen", help="host:port to serve on (default 127.0.0.1:0, a free port)."),
@@ -32,6 +42,15 @@ _OPTIONS = [
     click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any)."),
     click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".'),
     click.option("--log-format", type=click.Choice(["auto", "console", "json"])),
+    click.option(
+        "--authorizer",
+        help='The authorizer\'s address, for a run whose [admission] mode is "authorized" ($AGORA_AUTHORIZER).',
+    ),
+    click.option("--account", help="The account this node joins under ($AGORA_ACCOUNT)."),
+    click.option(
+        "--account-token",
+        help="The account's token; better as $AGORA_ACCOUNT_TOKEN (a flag shows in the process list).",
+    ),
 ]
 
 
@@ -83,10 +102,15 @@ def launch_role(
     """What a role's ``run`` command does first: the node settings (from the ``@node_options``
     among ``options``), the run config, the role's own settings (from the other options, named
     as ``settings_cls``'s fields, and ``AGORA_<ROLE>_*`` variables), each error exiting with its
-    message; then :func:`prepare_process`."""
+    message (an authorizer given to an open run, or none to an authorized one, too); then
+    :func:`prepare_process`."""
     flags = {name: value for name, value in options.items() if name not in NODE_OPTIONS}
     node = resolve_node(options)
     run = load_config(config_file)
+    try:
+        node.check_admission(run.admission)
+    except ConfigError as exc:
+        fail(str(exc))
     settings = settings_from_flags(settings_cls, role, **flags)
     prepare_process(node)
     return node, run, settings

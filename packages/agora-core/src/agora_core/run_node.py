@@ -2,7 +2,9 @@
 
 Workers, trainers and (later) the authorizer and monitor each hold one :class:`RunNode`: their
 own RPC methods and the DHT's are served on the same port, and the DHT enforces the run's
-value schemas (``agora_core.schema``) on everything it stores.
+value schemas (``agora_core.schema``, and in an authorized run the revocation list's owner) on
+everything it stores. The port can be bound before the DHT is joined (:meth:`RunNode.serve`):
+an authorized node answers the authorizer's dial-back there while it waits to be admitted.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agora_core.admission.revocations import check_revocations, revocations_key
 from agora_core.codec import CompressionPolicy
 from agora_core.config import RunConfig
 from agora_core.config.run import TransportConfig
@@ -55,6 +58,10 @@ class RunNode:
         self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         validators = Validators()
         register_validators(validators, run.name)
+        if run.admission.authorized:  # only the run's authorizer writes its revocation list
+            validators.register(
+                revocations_key(run.name), check_revocations(run.admission.authorizer_key_bytes)
+            )
         self.dht = DhtNode(
             key=key,
             config=run.dht,
@@ -66,9 +73,17 @@ class RunNode:
             validators=validators,
         )
 
+    async def serve(self) -> str:
+        """Bind the RPC port and serve (no DHT yet: a node of an authorized run answers the
+        authorizer's dial-back before it joins); returns the bound address. Once only."""
+        if self.server.address is None:
+            await self.server.start()
+        return self.server.address
+
     async def start(self) -> str:
-        """Serve, then join the run's DHT; returns the address others reach this node at."""
-        await self.server.start()
+        """Serve (unless :meth:`serve` already did), then join the run's DHT; returns the
+        address others reach this node at."""
+        await self.serve()
         return await self.dht.start()
 
     async def stop(self, *, grace_s: float = 0.0) -> None:

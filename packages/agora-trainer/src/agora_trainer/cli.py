@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
@@ -19,6 +20,7 @@ from agora_core.node_cli import (
     node_options,
     status_interval_option,
 )
+from agora_core.run_node import RunNode
 from agora_trainer import __version__
 from agora_trainer.shards import ShardError
 from agora_trainer.trainer import Trainer, TrainerSettings
@@ -39,15 +41,32 @@ def status_line(trainer: Trainer) -> str:
     )
 
 
-async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -> None:
+def _echo(line: str) -> None:
+    click.echo(line)
+    sys.stdout.flush()
+
+
+async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -> int:
+    """Admit (an authorized run), train, close; the exit code (0, or CREDENTIAL_LOST_EXIT_CODE
+    when the credential was lost: the trainer stops at once, its samples in flight abandoned
+    to a later run)."""
     loop = asyncio.get_running_loop()
     endpoint = trainer.metrics.serve_http(node.metrics_port) if node.metrics_port is not None else None
     stops = 0
+    starting = loop.create_task(_start(trainer))
+    training: asyncio.Task | None = None
+    lost: list[tuple[str, str]] = []
+
+    def on_lost(reason: str, detail: str) -> None:
+        lost.append((reason, detail))
+        (starting if training is None else training).cancel()
 
     def on_signal() -> None:
         nonlocal stops
         stops += 1
-        if stops == 1:
+        if training is None:  # still queued or waiting for workers: nothing in flight
+            starting.cancel()
+        elif stops == 1:
             click.echo("stopping: lanes finish their samples (Ctrl-C again to abandon them)")
             trainer.request_stop()
         else:
@@ -57,17 +76,25 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
         loop.add_signal_handler(sig, on_signal)
     click.echo(f"agora-trainer {__version__}: run {trainer.run.name!r}, {len(trainer.lanes)} lanes")
     click.echo(f"  node id    {trainer.key.node_id}")
-    click.echo(f"  shards     {trainer.cursor.total} samples, {trainer.cursor.done} done before")
-    sys.stdout.flush()
+    _echo(f"  shards     {trainer.cursor.total} samples, {trainer.cursor.done} done before")
+    if isinstance(trainer.admission, NodeAdmission):
+        trainer.admission.on_lost.append(on_lost)
     try:
-        await trainer.start()
-        click.echo(f"  workers    {[len(b.workers) for b in trainer.balancers]} per stage; training")
-        training = loop.create_task(trainer.train())
-        while not training.done():
-            await asyncio.wait([training], timeout=status_interval_s)
-            click.echo(status_line(trainer))
         with contextlib.suppress(asyncio.CancelledError):
-            await training
+            await starting
+        if starting.cancelled() and not lost:
+            click.echo("stopped before training")
+            return 0
+        if not lost:
+            training = loop.create_task(trainer.train())
+            await _follow(trainer, training, status_interval_s)
+        if lost:
+            reason, detail = lost[0]
+            _echo(
+                f"credential lost ({reason}): {detail}; stopped after {trainer.counters.completed} samples "
+                f"(exit code {CREDENTIAL_LOST_EXIT_CODE})"
+            )
+            return CREDENTIAL_LOST_EXIT_CODE
         click.echo(
             f"done: {trainer.counters.completed} samples this run, {trainer.cursor.done} of {trainer.cursor.total} overall"
         )
@@ -77,6 +104,30 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
             endpoint.close()
         if node.metrics_push_gateway:
             trainer.metrics.push(node.metrics_push_gateway)
+    return 0
+
+
+async def _start(trainer: Trainer) -> None:
+    """Ask the authorizer (an authorized run), join, wait until admitted and every stage has a
+    worker."""
+    admission = trainer.admission
+    if isinstance(admission, NodeAdmission):
+        _echo(f"  authorizer {admission.authorizer} (account {admission.settings.account or '-'})")
+        await admission.submit()
+    await trainer.start()
+    credential = admission.info()
+    if credential is not None:
+        _echo(f"  credential {credential['serial']}, valid {credential['expires_in_s']:.0f} s")
+
+
+async def _follow(trainer: Trainer, training: asyncio.Task, status_interval_s: float) -> None:
+    """A status line every ``status_interval_s`` until ``training`` ends (or is cancelled)."""
+    click.echo(f"  workers    {[len(b.workers) for b in trainer.balancers]} per stage; training")
+    while not training.done():
+        await asyncio.wait([training], timeout=status_interval_s)
+        click.echo(status_line(trainer))
+    with contextlib.suppress(asyncio.CancelledError):
+        await training
 
 
 @main.command()
@@ -110,17 +161,37 @@ def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> Non
     node, run_config, settings = launch_role("trainer", options, config_file, TrainerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
+        metrics = NodeMetrics(role="trainer", instance=key.node_id[:12])
+        run_node = RunNode(
+            run=run_config,
+            key=key,
+            metrics=metrics,
+            listen=node.listen,
+            bootstrap=list(bootstrap),
+            advertise=node.advertise,
+            link=node.link_emulator(),
+        )
+        admission = None
+        if run_config.admission.authorized:  # the challenge on the CPU, with numpy
+            admission = NodeAdmission(
+                run=run_config,
+                node=run_node,
+                key=key,
+                role="trainer",
+                settings=node,
+                hardware=cpu_hardware(),
+                on_status=lambda status: _echo(f"  admission  {status.describe()}"),
+            )
         trainer = Trainer(
             run=run_config,
             shards_dir=shards_dir,
             key=key,
-            bootstrap=list(bootstrap),
-            listen=node.listen,
-            advertise=node.advertise,
             settings=settings,
-            metrics=NodeMetrics(role="trainer", instance=key.node_id[:12]),
-            link=node.link_emulator(),
+            metrics=metrics,
+            node=run_node,
+            admission=admission,
         )
-        asyncio.run(_run(trainer, node, status_interval_s))
+        code = asyncio.run(_run(trainer, node, status_interval_s))
     except (AgoraError, ShardError, OSError, ValueError) as exc:
         fail(str(exc), code=1)
+    sys.exit(code)

@@ -3,7 +3,9 @@
 The trainer holds no parameters. It joins the run's DHT, learns each stage's workers from
 their announcements, and runs ``lanes`` concurrent sample loops over its shards until they
 are exhausted (or ``max_samples`` are done). Progress goes to the DHT under its own signed
-subkey; its position in the shards goes to a state file, so a restart resumes exactly.
+subkey; its position in the shards goes to a state file, so a restart resumes exactly. In an
+authorized run it starts routing only once admitted (``admission``), and it drops any worker
+on the run's revocation list, read with every refresh of the worker lists.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agora_core.admission.node_admission import NodeAdmission, OpenAdmission, parse_revocations
+from agora_core.admission.revocations import revocations_key
 from agora_core.config import RunConfig, require
 from agora_core.dht import DhtError
 from agora_core.dht.owned import OwnedEntry, check_refresh
@@ -81,8 +85,13 @@ class Trainer:
         settings: TrainerSettings | None = None,
         metrics: NodeMetrics | None = None,
         link: LinkEmulator | None = None,
+        node: RunNode | None = None,
+        admission: NodeAdmission | OpenAdmission | None = None,
     ):
+        """``node``: a RunNode built with ``metrics`` whose port the admission serves, instead
+        of a new one on ``listen``; ``admission``: default an open run's (nothing to wait for)."""
         self.run = run
+        self.admission = admission or OpenAdmission()
         self.key = key
         self.settings = settings or TrainerSettings()
         check_refresh(self.settings.progress_interval_s, run.dht.record_ttl_s, "progress_interval_s")
@@ -101,7 +110,7 @@ class Trainer:
             else Path(shards_dir) / f".trainer-{key.node_id[:12]}.json"
         )
         self.cursor = SampleCursor(shards, run.model.seq_len, state)
-        self.node = RunNode(
+        self.node = node or RunNode(
             run=run,
             key=key,
             metrics=self.metrics,
@@ -124,6 +133,7 @@ class Trainer:
         self.router = PipelineRouter(self.client, self.balancers, routing, self.counters, self.metrics)
         self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
         self.lanes = [LaneState() for _ in range(self.settings.lanes)]
+        self.revoked: set[str] = set()  # worker node ids on the run's revocation list
         self.completed_ids: list[int] = []  # in completion order (tools and tests read it)
         self.loss_last: float | None = None
         self.loss_ema: float | None = None
@@ -146,13 +156,16 @@ class Trainer:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Join the DHT and wait until every stage has at least one worker."""
+        """Join the DHT, wait until admitted (at once in an open run) and until every stage has
+        at least one worker."""
         await self.node.start()
+        await self.admission.admitted()
         await self.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._refresh_loop(), name="trainer-refresh"),
             loop.create_task(self._progress_loop(), name="trainer-progress"),
+            loop.create_task(self.admission.run(), name="trainer-credential"),  # revocations: refresh()
         ]
         deadline = time.monotonic() + self.settings.wait_for_worker_s
         while not all(b.workers for b in self.balancers):
@@ -170,8 +183,10 @@ class Trainer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        with _quiet():
-            await self.publish_progress()
+        self.admission.close()
+        if self.admission.valid:  # progress is a member's report: none without a credential
+            with _quiet():
+                await self.publish_progress()
         await self.node.stop(grace_s=1.0)
 
     def request_stop(self) -> None:
@@ -181,11 +196,18 @@ class Trainer:
     # --- discovery and progress -------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Re-read every stage's worker announcements."""
+        """Re-read every stage's worker announcements and, in an authorized run, the revocation
+        list: revoked workers leave routing now, and a revoked trainer loses its credential."""
         keys = [stage_workers_key(self.run.name, s) for s in range(len(self.balancers))]
-        found = await self.dht.get_many(keys)
+        listed = [revocations_key(self.run.name)] if self.admission.authorized else []
+        found = await self.dht.get_many(keys + listed)
+        if listed:
+            revocations = parse_revocations(found[listed[0]], self.run.admission.authorizer_key_bytes)
+            self.admission.observe(revocations)
+            self.revoked = set() if revocations is None else set(revocations.nodes)
         for balancer, key in zip(self.balancers, keys, strict=True):
-            balancer.update(parse_entries(found[key], WorkerAnnouncement.from_value))
+            announced = parse_entries(found[key], WorkerAnnouncement.from_value)
+            balancer.update([a for a in announced if a.node_id not in self.revoked])
 
     async def _refresh_loop(self) -> None:
         while True:

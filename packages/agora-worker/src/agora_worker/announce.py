@@ -5,7 +5,8 @@ The announcement lives the run's ``dht.record_ttl_s`` and is refreshed every
 so a worker that dies simply stops refreshing and vanishes from the stage within one
 ``record_ttl_s``; until then a trainer whose call to it fails bans it. A worker that stops
 cleanly withdraws at once, and a worker that stops serving (self-termination)
-retires: withdraws for good.
+retires: withdraws for good. In an authorized run nothing is announced before the worker
+holds a valid credential (``allowed``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ class Announcer:
         interval_s: float,
         ttl_s: float,
         describe: Callable[[], WorkerAnnouncement],
+        allowed: Callable[[], bool] = lambda: True,
     ):
-        """``ttl_s``: the run's dht.record_ttl_s; ``interval_s`` must be at most a third of it."""
+        """``ttl_s``: the run's dht.record_ttl_s; ``interval_s`` must be at most a third of it;
+        ``allowed()``: whether the worker may be seen now (admitted, its credential valid)."""
         check_refresh(interval_s, ttl_s, "announce_interval_s")
         self._entry = OwnedEntry(dht, key, stage_workers_key(run_name, stage))
         self._interval_s = interval_s
         self._describe = describe
+        self._allowed = allowed
         self.ttl_s = ttl_s
         self.last_ok = time.monotonic()  # when an announcement last reached the DHT
         self.retired = False
@@ -48,7 +52,7 @@ class Announcer:
 
     async def announce(self) -> None:
         async with self._lock:
-            if self.retired:
+            if self.retired or not self._allowed():
                 return
             await self._entry.publish(self._describe().to_value(), self.ttl_s)
             self.last_ok = time.monotonic()

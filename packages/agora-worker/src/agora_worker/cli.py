@@ -8,8 +8,10 @@ import sys
 
 import click
 
-from agora_core.config import NodeSettings
-from agora_core.contract import Phase
+from agora_core.admission.join_client import JoinStatus
+from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
+from agora_core.config import NodeSettings, RunConfig
+from agora_core.contract import Phase, StageRole
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
@@ -19,7 +21,10 @@ from agora_core.node_cli import (
     launch_role,
     node_options,
 )
+from agora_core.run_node import RunNode
 from agora_worker import __version__
+from agora_worker.admission import admit, worker_admission
+from agora_worker.backend import pick_device
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 
@@ -30,43 +35,91 @@ def main() -> None:
     """Serve one pipeline stage of an Agora run."""
 
 
-async def _run(worker: Worker, settings: NodeSettings) -> int:
-    """Serve until SIGINT/SIGTERM or a self-termination rule trips; the exit code (0: a clean
-    stop, else the tripped rule's, agora_worker.termination.EXIT_CODES)."""
-    log = get_logger("worker.cli")
-    endpoint = worker.metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+def _echo(line: str) -> None:
+    click.echo(line)
+    sys.stdout.flush()  # tools read these lines from a pipe or a log file as they come
+
+
+def _on_status(status: JoinStatus) -> None:
+    _echo(f"  admission  {status.describe()}")
+
+
+async def _main(
+    run: RunConfig,
+    stage: int | None,
+    key: NodeKey,
+    node: NodeSettings,
+    settings: WorkerSettings,
+    bootstrap: list[str],
+) -> int:
+    """Admit (an authorized run), build the worker on its stage, serve until stopped; the exit
+    code (0: a clean stop, else the tripped rule's, agora_worker.termination.EXIT_CODES)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    address = await worker.start()
-    click.echo(f"agora-worker {__version__}: stage {worker.stage} ({worker.role}) of run {worker.run.name!r}")
-    click.echo(f"  node id    {worker.key.node_id}")
-    click.echo(f"  serving    {address}")
-    click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
-    joined = worker.joined
-    source = {"peers": "downloaded from live replicas", "checkpoint": "resumed from a checkpoint"}
-    click.echo(f"  state      step {joined.step}, {source.get(joined.source, 'initial weights')}")
-    click.echo(f"  phase      {worker.phases.phase}")
-    if endpoint is not None:
-        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
-    writer = worker.checkpoint_writer
-    if writer is not None:
-        every, keep = worker.run.checkpoint.every_steps, worker.run.checkpoint.keep
-        click.echo(f"  checkpoint {writer.store.directory} (every {every} steps, keep {keep})")
-        if worker.settings.resume:
-            step = writer.resumed_step
-            click.echo(f"  resumed    {'none valid: started fresh' if step is None else f'step {step}'}")
-    sys.stdout.flush()
-    waits = [loop.create_task(stop.wait()), loop.create_task(worker.watchdog.wait())]
+    metrics = NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
+    run_node = RunNode(
+        run=run,
+        key=key,
+        metrics=metrics,
+        listen=node.listen,
+        bootstrap=bootstrap,
+        advertise=node.advertise,
+        link=node.link_emulator(),
+    )
+    _echo(f"agora-worker {__version__}: run {run.name!r}")
+    _echo(f"  node id    {key.node_id}")
+    admission: NodeAdmission | OpenAdmission = OpenAdmission()
+    if run.admission.authorized:
+        device = pick_device(settings.device)
+        admission = worker_admission(
+            run=run, node=run_node, key=key, settings=node, device=device, on_status=_on_status
+        )
+        _echo(f"  authorizer {node.authorizer} (account {node.account or '-'})")
+        try:
+            stage = await admit(admission, stop)
+        except BaseException:
+            admission.close()
+            await run_node.stop()
+            raise
+        if stage is None:  # stopped while queued
+            admission.close()
+            await run_node.stop()
+            _echo("stopped")
+            return 0
+        metrics.set_stage(stage)
+    assert stage is not None  # given in an open run (the command checked), placed otherwise
+    _echo(f"  stage      {stage} ({StageRole.of(stage, run.model.n_stages)})")
+    worker = Worker(
+        run=run, stage=stage, key=key, settings=settings, metrics=metrics, node=run_node, admission=admission
+    )
+    return await _serve(worker, node, stop)
+
+
+async def _serve(worker: Worker, settings: NodeSettings, stop: asyncio.Event) -> int:
+    """Start (join, download, wait for admission), serve until ``stop`` is set or a
+    self-termination rule trips, then stop; the exit code."""
+    log = get_logger("worker.cli")
+    endpoint = worker.metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    loop = asyncio.get_running_loop()
+    starting = loop.create_task(worker.start())
+    stopping = loop.create_task(stop.wait())
+    waits = [stopping, loop.create_task(worker.watchdog.wait())]
     try:
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # stopped while queued or downloading
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 0
+        address = starting.result()  # AdmissionRefused, or a failed join, ends here
+        _print_started(worker, address, endpoint)
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         verdict = worker.watchdog.verdict
         if verdict is None:
             log.info("shutting_down", grace_s=worker.settings.shutdown_grace_s)
         else:  # it already withdrew and published why; leaving and stopping remain
-            click.echo(f"terminated: {verdict.reason} (exit code {verdict.exit_code}): {verdict.detail}")
-            sys.stdout.flush()
+            _echo(f"terminated: {verdict.reason} (exit code {verdict.exit_code}): {verdict.detail}")
     finally:
         for task in waits:
             task.cancel()
@@ -79,11 +132,41 @@ async def _run(worker: Worker, settings: NodeSettings) -> int:
     return worker.watchdog.exit_code
 
 
+def _print_started(worker: Worker, address: str, endpoint) -> None:
+    click.echo(f"  serving    {address}")
+    click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
+    joined = worker.joined
+    source = {"peers": "downloaded from live replicas", "checkpoint": "resumed from a checkpoint"}
+    click.echo(f"  state      step {joined.step}, {source.get(joined.source, 'initial weights')}")
+    click.echo(f"  phase      {worker.phases.phase}")
+    credential = worker.admission.info()
+    if credential is not None:
+        left = credential["expires_in_s"]
+        click.echo(
+            f"  credential {credential['serial']}, valid {left:.0f} s, refreshed at two thirds of its life"
+        )
+    if endpoint is not None:
+        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    writer = worker.checkpoint_writer
+    if writer is not None:
+        every, keep = worker.run.checkpoint.every_steps, worker.run.checkpoint.keep
+        click.echo(f"  checkpoint {writer.store.directory} (every {every} steps, keep {keep})")
+        if worker.settings.resume:
+            step = writer.resumed_step
+            click.echo(f"  resumed    {'none valid: started fresh' if step is None else f'step {step}'}")
+    sys.stdout.flush()
+
+
 @main.command()
 @click.option(
     "--config", "config_file", required=True, type=click.Path(dir_okay=False), help="Run config TOML."
 )
-@click.option("--stage", required=True, type=int, help="Pipeline stage to serve (0 = head).")
+@click.option(
+    "--stage",
+    type=int,
+    help="Pipeline stage to serve (0 = head), in an open run. An authorized run's authorizer places "
+    "each worker (operators pin one with `agora-authorizer pin NODE_ID STAGE`).",
+)
 @node_options
 @click.option("--device", help="auto (default: CUDA when present), cpu, cuda or cuda:N.")
 @click.option("--max-batch", "max_batch_samples", type=int, help="Most samples merged into one microbatch.")
@@ -121,23 +204,25 @@ async def _run(worker: Worker, settings: NodeSettings) -> int:
     help="Start from the newest valid checkpoint in --checkpoint-dir (fresh if there is none).",
 )
 def run(config_file, stage, bootstrap, **options) -> None:
-    """Serve STAGE of the run in --config until SIGINT/SIGTERM (in-flight requests finish) or
-    until a [termination] rule trips (the exit code then names the rule)."""
+    """Serve a stage of the run in --config until SIGINT/SIGTERM (in-flight requests finish) or
+    until a [termination] rule trips (the exit code then names the rule). An open run's worker
+    serves --stage; an authorized run's (--authorizer) is placed by the authorizer."""
     node, run_config, settings = launch_role("worker", options, config_file, WorkerSettings)
+    if run_config.admission.authorized and stage is not None:
+        fail(
+            f"--stage {stage}: in an authorized run the authorizer places each worker on a stage; "
+            "leave --stage out (an operator pins a node to a stage with "
+            "`agora-authorizer pin NODE_ID STAGE --db URL`)"
+        )
+    if not run_config.admission.authorized and stage is None:
+        fail(
+            '--stage is required: the run config\'s [admission] mode is "open", so nobody places this worker'
+        )
+    if stage is not None and not 0 <= stage < run_config.model.n_stages:
+        fail(f"--stage {stage} does not exist: the run has stages 0..{run_config.model.n_stages - 1}")
     try:
         key = NodeKey.load_or_create(node.key_file)
-        worker = Worker(
-            run=run_config,
-            stage=stage,
-            key=key,
-            listen=node.listen,
-            bootstrap=list(bootstrap),
-            advertise=node.advertise,
-            settings=settings,
-            metrics=NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12]),
-            link=node.link_emulator(),
-        )
-        code = asyncio.run(_run(worker, node))
+        code = asyncio.run(_main(run_config, stage, key, node, settings, list(bootstrap)))
     except (AgoraError, OSError, ValueError) as exc:
         fail(str(exc), code=1)
     sys.exit(code)

@@ -1,7 +1,8 @@
 """The pipeline methods a worker serves to trainers: ``forward``, ``backward``, ``forward_backward``.
 
 Each request is checked before it is queued: it must be for this worker's stage, reach a
-worker trainers may use now (not downloading, not in weight sync), and carry tensors of the
+worker trainers may use now (admitted, in an authorized run; not downloading, not in weight
+sync), and carry tensors of the
 shapes, dtypes and ranges its stage takes. Then it waits in the runtime's queues and is
 computed in a coalesced microbatch.
 """
@@ -30,12 +31,15 @@ class PipelineService:
         runtime: Runtime,
         phase: Callable[[], Phase],
         trained: Callable[[], None],
+        admitted: Callable[[], bool] = lambda: True,
     ):
         """``phase()`` is the worker's phase now; ``trained()`` is called after each backward
-        landed (stage progress checks whether the stage now holds a batch)."""
+        landed (stage progress checks whether the stage now holds a batch); ``admitted()``
+        whether it holds a valid credential of the run (always, in an open run)."""
         self._model, self._stage, self._role = model, stage, role
         self._boundary_width, self._max_batch = boundary_width, max_batch
         self._runtime, self._phase, self._trained = runtime, phase, trained
+        self._admitted = admitted
         self.refused_while_invisible = 0  # batches a trainer sent though it could not see us
 
     def register(self, server: RpcServer) -> None:
@@ -47,6 +51,9 @@ class PipelineService:
         stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
         if stage != self._stage:
             raise StageMismatch(f"request for stage {stage!r} reached a worker of stage {self._stage}")
+        if not self._admitted():
+            self.refused_while_invisible += 1
+            raise NotServing("this worker holds no valid credential of the run (not admitted yet, or lost)")
         phase = self._phase()
         if not phase.visible_to_trainers:
             self.refused_while_invisible += 1

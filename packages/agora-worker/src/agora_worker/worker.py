@@ -2,16 +2,18 @@
 
 It shares one RPC port with its DHT node, announces itself under its stage, coalesces the
 requests of many trainers into microbatches on one compute thread, and steps its host-side
-optimizer whenever its stage has jointly processed a batch.
+optimizer whenever its stage has jointly processed a batch. In an authorized run it is built
+on the port its admission already serves (``node``) and is seen only while its credential is
+valid (``admission``; see :mod:`agora_worker.admission`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Sequence
 
+from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase, StageRole
 from agora_core.errors import BadRequest
@@ -28,6 +30,7 @@ from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
+from agora_worker.info import worker_info
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
@@ -54,13 +57,19 @@ class Worker:
         settings: WorkerSettings | None = None,
         metrics: NodeMetrics | None = None,
         link: LinkEmulator | None = None,
+        node: RunNode | None = None,
+        admission: NodeAdmission | OpenAdmission | None = None,
     ):
+        """``node``: a RunNode whose port is already bound (an authorized worker's, built with
+        ``metrics``), instead of a new one on ``listen``; ``admission``: the worker's admission
+        (default: an open run's, always valid)."""
         if not 0 <= stage < run.model.n_stages:
             raise ValueError(f"stage {stage} does not exist: the run has stages 0..{run.model.n_stages - 1}")
         self.run = run
         self.stage = stage
         self.key = key
         self.settings = settings or WorkerSettings()
+        self.admission = admission or OpenAdmission()
         self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
         self.device = pick_device(self.settings.device)
         self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
@@ -83,7 +92,7 @@ class Worker:
         )
         self.phases = PhaseTracker(run.sync, override=self.settings.phase, on_change=self._phase_changed)
         self._set_phase_metric(self.phases.phase)
-        self.node = RunNode(
+        self.node = node or RunNode(
             run=run,
             key=key,
             metrics=self.metrics,
@@ -157,6 +166,7 @@ class Worker:
             runtime=self.runtime,
             phase=lambda: self.phases.phase,
             trained=self.progress.accumulated,
+            admitted=lambda: self.admission.valid,
         )
         self.pipeline.register(self.server)
         self.announcer = Announcer(
@@ -167,6 +177,7 @@ class Worker:
             interval_s=self.settings.announce_interval_s,
             ttl_s=run.dht.record_ttl_s,
             describe=self.describe,
+            allowed=lambda: self.admission.valid,
         )
         self.joiner = Joiner(
             run=run,
@@ -210,10 +221,12 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Serve, join the DHT, take up the stage's state (``Joiner``), announce, train."""
+        """Serve, join the DHT, take up the stage's state (``Joiner``), wait until admitted (at
+        once in an open run), announce, train."""
         self.address = await self.node.start()
         self.runtime.start()
         self.joined = await self.joiner.join()
+        await self.admission.admitted()  # queued meanwhile: the download overlapped the wait
         self.ready = True
         await self.announcer.announce()  # visible to trainers before the first refresh
         loop = asyncio.get_running_loop()
@@ -221,6 +234,10 @@ class Worker:
             loop.create_task(self.progress.run(), name="worker-progress"),
             loop.create_task(self.announcer.run(), name="worker-announce"),
             loop.create_task(self.watchdog.run(), name="worker-watchdog"),
+            loop.create_task(
+                self.admission.run(revocations_every_s=self.settings.announce_interval_s),
+                name="worker-credential",
+            ),
         ]
         log.info(
             "worker_started",
@@ -242,6 +259,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        self.admission.close()
         await self.averager.stop()
         self.donor.close()
         await self.announcer.withdraw()
@@ -323,32 +341,7 @@ class Worker:
     # --- operators, tools and peers ------------------------------------------------------------
 
     async def _on_info(self, request: Request) -> Payload:
-        runtime = self.runtime
-        return Payload(
-            {
-                "node_id": self.key.node_id,
-                "stage": self.stage,
-                "role": self.role,
-                "step": self.optimizer.step,
-                "last_step": None if self.last_step is None else dataclasses.asdict(self.last_step),
-                "samples": self.optimizer.samples,
-                "stage_samples": self.progress.stage_samples,
-                "queued": runtime.queued_samples,
-                "processed": runtime.samples_processed,
-                "compute_seconds": runtime.compute_seconds,
-                "processed_by_op": dict(runtime.samples_by_op),
-                "recent_batch_sizes": list(runtime.batch_sizes),
-                "max_batch": self.max_batch,
-                "phase": self.phases.phase,
-                "phase_steps_left": self.phases.steps_left(self.optimizer.step),
-                "join": None if self.joined is None else self.joined.info(),
-                "refused_while_invisible": self.pipeline.refused_while_invisible,
-                "averaging": self.averager.info(),
-                "checkpoint": None if self.checkpoint_writer is None else self.checkpoint_writer.info(),
-                "version": __version__,
-                "time": time.time(),
-            }
-        )
+        return Payload(worker_info(self))
 
     async def _on_parameters(self, request: Request) -> Payload:
         """The stage's averaged parameters as one float32 vector (or one segment of it):

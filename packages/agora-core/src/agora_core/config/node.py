@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from agora_core.config.admission import AdmissionConfig
 from agora_core.config.loader import build, coerce, field_types, require
+from agora_core.errors import ConfigError
 from agora_core.linkemu import LinkConfig, LinkEmulator
 
 ENV_PREFIX = "AGORA_"
@@ -54,6 +56,11 @@ class NodeSettings:
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     link: str | None = None  # emulated link, e.g. "up=200M,down=200M,latency=50ms,jitter=5ms"
+    # --- admission (a run whose [admission] mode is "authorized") ------------------------
+    authorizer: str | None = None  # the authorizer's address (host:port or tcp://host:port)
+    account: str | None = None  # the contributor account the node joins under
+    # Its token: best given as AGORA_ACCOUNT_TOKEN (a flag shows in the process list).
+    account_token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -63,11 +70,31 @@ class NodeSettings:
             "metrics_port",
             "must lie in [0, 65535]",
         )
+        require(self.authorizer is None or bool(self.authorizer.strip()), "authorizer", "must not be empty")
         if self.link is not None:
             try:
                 LinkConfig.parse(self.link)
             except ValueError as exc:
                 require(False, "link", str(exc))
+
+    def check_admission(self, admission: AdmissionConfig) -> None:
+        """ConfigError unless these settings fit the run's admission mode: an authorized run
+        needs the authorizer's address, an open run has no authorizer (the run config is the
+        contract; a node does not choose its own admission)."""
+        if admission.authorized and self.authorizer is None:
+            raise ConfigError(
+                "authorizer",
+                'the run config says [admission] mode = "authorized": give the authorizer\'s address '
+                "with --authorizer HOST:PORT (or AGORA_AUTHORIZER), and an account with --account "
+                "and AGORA_ACCOUNT_TOKEN",
+            )
+        if not admission.authorized and self.authorizer is not None:
+            raise ConfigError(
+                "authorizer",
+                f"--authorizer {self.authorizer} was given, but the run config's [admission] mode is "
+                f"{admission.mode!r}: an open run has no authorizer (drop --authorizer, or use the "
+                'run config with mode = "authorized" that the authorizer was started with)',
+            )
 
     @property
     def link_config(self) -> LinkConfig | None:

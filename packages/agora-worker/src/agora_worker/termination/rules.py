@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE
 from agora_core.contract import DepartureReason
 from agora_worker.averaging.averager import RoundReport
 
@@ -29,6 +30,7 @@ EXIT_CODES: dict[DepartureReason, int] = {
     DepartureReason.NO_PROGRESS: 13,
     DepartureReason.HOST_MEMORY: 14,
     DepartureReason.AVERAGING_FAILURES: 15,
+    DepartureReason.CREDENTIAL_LOST: CREDENTIAL_LOST_EXIT_CODE,  # 16; a trainer exits with it too
 }
 if set(EXIT_CODES) != set(DepartureReason) or len(set(EXIT_CODES.values())) != len(EXIT_CODES):
     raise RuntimeError("every departure reason needs an exit code of its own")
@@ -173,6 +175,26 @@ class HostMemory(Rule):
 
     def describe(self) -> str:
         return f"resident memory {self.value:g} MiB reached the limit of {self.threshold:g} MiB"
+
+
+class CredentialLost(Rule):
+    """The worker's credential is gone: a refresh was refused (its node or account banned),
+    it expired with no refresh getting through, or its node id is on the run's revocation
+    list. ``lost()`` is ``(reason, detail)`` once that happened, else None; never in an open run.
+    """
+
+    reason, unit = DepartureReason.CREDENTIAL_LOST, "credentials"
+
+    def __init__(self, *, lost: Callable[[], tuple[str, str] | None]):
+        super().__init__(1)
+        self._lost = lost
+
+    def measure(self, now: float) -> float:
+        return 0.0 if self._lost() is None else 1.0
+
+    def describe(self) -> str:
+        reason, detail = self._lost() or ("", "")
+        return f"the credential was lost ({reason}): {detail}; it may rejoin through admission"
 
 
 def round_failed(report: RoundReport) -> bool | None:

@@ -26,6 +26,7 @@ from agora_core.metrics import NodeMetrics
 from agora_core.schema import WorkerDeparture, stage_departures_key
 from agora_worker.termination.rules import (
     AveragingFailures,
+    CredentialLost,
     HostMemory,
     InARow,
     NoProgress,
@@ -206,10 +207,14 @@ def rules_for(config: TerminationConfig, worker: Worker) -> list[Rule]:
 
 
 def watchdog_for(worker: Worker) -> Watchdog:
-    """The watchdog of a worker: its run config's ``[termination]`` rules over its signals."""
+    """The watchdog of a worker: its run config's ``[termination]`` rules over its signals,
+    and in an authorized run the credential's (lost: refused, expired or revoked)."""
     run = worker.run
+    rules = rules_for(run.termination, worker)
+    if worker.admission.authorized:
+        rules.append(CredentialLost(lost=lambda: worker.admission.lost))
     return Watchdog(
-        rules=rules_for(run.termination, worker),
+        rules=rules,
         interval_s=run.termination.check_interval_s,
         dht=worker.dht,
         key=worker.key,

@@ -1,0 +1,42 @@
+"""``worker.info``: what a worker says about itself to operators, tools and tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from agora_worker import __version__
+
+if TYPE_CHECKING:
+    from agora_worker.worker import Worker
+
+
+def worker_info(worker: Worker) -> dict:
+    """The reply of ``worker.info`` (fields: the worker README's table)."""
+    runtime = worker.runtime
+    return {
+        "node_id": worker.key.node_id,
+        "stage": worker.stage,
+        "role": worker.role,
+        "step": worker.optimizer.step,
+        "last_step": None if worker.last_step is None else dataclasses.asdict(worker.last_step),
+        "samples": worker.optimizer.samples,
+        "stage_samples": worker.progress.stage_samples,
+        "queued": runtime.queued_samples,
+        "processed": runtime.samples_processed,
+        "compute_seconds": runtime.compute_seconds,
+        "processed_by_op": dict(runtime.samples_by_op),
+        "recent_batch_sizes": list(runtime.batch_sizes),
+        "max_batch": worker.max_batch,
+        "phase": worker.phases.phase,
+        "phase_steps_left": worker.phases.steps_left(worker.optimizer.step),
+        "join": None if worker.joined is None else worker.joined.info(),
+        "refused_while_invisible": worker.pipeline.refused_while_invisible,
+        "averaging": worker.averager.info(),
+        "checkpoint": None if worker.checkpoint_writer is None else worker.checkpoint_writer.info(),
+        # serial, expires, refreshes, lost; None in an open run
+        "credential": worker.admission.info(),
+        "version": __version__,
+        "time": time.time(),
+    }

@@ -54,7 +54,7 @@ class RunNode:
         self.server = RpcServer(listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         validators = Validators()
-        register_validators(validators, run.name)
+        register_validators(validators, run.name, run.admission.authorizer_key_bytes)
         self.dht = DhtNode(
             key=key,
             config=run.dht,

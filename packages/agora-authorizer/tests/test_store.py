@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,11 +38,19 @@ with Store.open(sys.argv[1]) as store:
     print("NEW", new, flush=True)
 """
 
-# Admits node after node, printing each id once the method that made it has returned.
+# Admits node after node, printing each id once the method that made it has returned; given
+# an iteration, it SIGKILLs itself there from inside sign(), mid-transaction.
 WRITER_SCRIPT = """
-import sys
+import os, signal, sys
 from agora_authorizer.store import Store
 store = Store.open(sys.argv[1])
+die_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+
+def sign(serial):
+    if i == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return b"body-%d" % serial, b"signature"
+
 print("READY", flush=True)
 for i in range(100_000):
     node = f"node-{i}"
@@ -50,7 +59,7 @@ for i in range(100_000):
     print("REQUEST", rid, flush=True)
     credential = store.issue_credential(request_id=rid, node_id=node, public_key=bytes(32), role="worker",
                                         stage=i % 4, account="alice", issued=float(i), expires=i + 600.0,
-                                        sign=lambda serial: (b"body-%d" % serial, b"signature"))
+                                        sign=sign)
     print("CREDENTIAL", credential.serial, rid, flush=True)
 """
 
@@ -256,12 +265,8 @@ def test_ban_written_by_another_process_is_seen_by_an_open_store(store, db_url):
 
 def test_request_is_recorded_as_checking_with_its_reports(store):
     request = store.request(add_request(store))
-    assert (request.node_id, request.public_key, request.role, request.status) == (
-        "n1",
-        KEY,
-        "worker",
-        "checking",
-    )
+    assert (request.node_id, request.public_key, request.role) == ("n1", KEY, "worker")
+    assert (request.status, request.address, request.account) == ("checking", "127.0.0.1:4000", "alice")
     assert request.hardware["gpus"] == [{"name": "RTX 4090"}] and request.software == {"agora-core": "0.1.0"}
     assert (request.received, request.decided, request.checks, request.stage) == (NOW, None, None, None)
     assert store.request(request.id + 1) is None
@@ -269,25 +274,14 @@ def test_request_is_recorded_as_checking_with_its_reports(store):
 
 def test_set_request_keeps_what_it_is_not_given_and_stamps_decisions(store):
     rid = add_request(store)
-    store.set_request(
-        rid, status="queued", stage=1, checks={"latency_ms": 12.5, "challenge_s": 0.8}, now=NOW + 1
-    )
+    checks = {"latency_ms": 12.5, "bandwidth_mbps": 940.0, "challenge_s": 0.8}
+    store.set_request(rid, status="queued", stage=1, checks=checks, now=NOW + 1)
     queued = store.request(rid)
-    assert (queued.status, queued.stage, queued.checks, queued.decided) == (
-        "queued",
-        1,
-        {"latency_ms": 12.5, "challenge_s": 0.8},
-        None,
-    )
+    assert (queued.status, queued.stage, queued.checks, queued.decided) == ("queued", 1, checks, None)
     store.set_request(rid, status="refused", reason="bandwidth", detail="measured 3 Mbit/s", now=NOW + 2)
     refused = store.request(rid)
-    assert (refused.reason, refused.detail, refused.decided, refused.stage) == (
-        "bandwidth",
-        "measured 3 Mbit/s",
-        NOW + 2,
-        1,
-    )
-    assert refused.checks == queued.checks
+    assert (refused.reason, refused.detail, refused.decided) == ("bandwidth", "measured 3 Mbit/s", NOW + 2)
+    assert (refused.stage, refused.checks) == (1, checks)
 
 
 def test_set_request_refuses_unknown_ids_and_reasonless_refusals(store):
@@ -446,3 +440,17 @@ def test_sigkill_mid_write_loses_no_committed_record(db_url):
                 credential = store.latest_credential_of(request.node_id)
                 assert (request.status == "admitted") == (credential is not None)
         assert add_request(store, "after-the-crash") > max(requests)
+
+
+def test_sigkill_while_signing_commits_neither_credential_nor_admission(db_url):
+    with spawn_python(["-c", WRITER_SCRIPT, db_url, "3"]) as child:
+        assert child.proc.wait(timeout=60) == -signal.SIGKILL
+        child.proc.stdin.close()
+        lines = all_lines(child)
+    assert [line.split()[0] for line in lines] == ["READY"] + ["REQUEST", "CREDENTIAL"] * 3 + ["REQUEST"]
+    requests = [int(line.split()[1]) for line in lines if line.startswith("REQUEST ")]
+    with Store.open(db_url) as store:
+        assert [store.request(rid).status for rid in requests] == ["admitted"] * 3 + ["checking"]
+        assert store.latest_credential_of("node-3") is None
+        live = store.live_credentials(now=0.0)
+        assert [credential.node_id for credential in live] == ["node-0", "node-1", "node-2"]

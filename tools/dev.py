@@ -14,8 +14,10 @@ skipped when nothing it depends on changed since the last run.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -25,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".agora-setup-stamp"
 PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+# where Debian's postgresql package puts initdb and pg_ctl (not on PATH): the authorizer's
+# store tests start a throwaway server from there
+POSTGRES_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 
 # Runs inside the venv: every agora* distribution must be an editable/local install whose
 # source lies under packages/ of this repo, and every local package must be installed.
@@ -111,7 +116,31 @@ def check_provenance(python: Path, env: dict[str, str] | None = None) -> subproc
     )
 
 
+def _postgres_installed() -> bool:
+    return shutil.which("initdb") is not None or bool(glob.glob(f"{POSTGRES_BIN_GLOB}/initdb"))
+
+
+def ensure_postgres() -> bool:
+    """The authorizer's store is tested on a real PostgreSQL server: as root, install the
+    server with apt when it is missing; otherwise say what to install. False if it is not there."""
+    if _postgres_installed():
+        return True
+    if getattr(os, "geteuid", lambda: -1)() != 0 or shutil.which("apt-get") is None:
+        _say("the tests need a PostgreSQL server (initdb, pg_ctl): install the `postgresql` package")
+        _say("  Debian/Ubuntu: sudo apt-get install -y postgresql; then rerun")
+        return False
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}  # no prompts from the package scripts
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "postgresql"]):
+        _say(f"no PostgreSQL server for the authorizer tests: {' '.join(command)}")
+        if subprocess.run(command, env=env).returncode != 0:
+            _say(f"failed: {' '.join(command)}")
+            return False
+    return _postgres_installed()
+
+
 def run_tests(extra: list[str]) -> int:
+    if not ensure_postgres():
+        return 1
     _say("linting (ruff check, ruff format --check)")
     for lint in (["check", "."], ["format", "--check", "."]):
         if subprocess.run([str(PYTHON), "-m", "ruff", *lint], cwd=ROOT).returncode != 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agora_core.admission.revocations import check_revocations, revocations_key
 from agora_core.codec import CompressionPolicy
 from agora_core.config import RunConfig
 from agora_core.config.run import TransportConfig
@@ -57,11 +56,7 @@ class RunNode:
         self.server = RpcServer(listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
         validators = Validators()
-        register_validators(validators, run.name)
-        if run.admission.authorized:  # only the run's authorizer writes its revocation list
-            validators.register(
-                revocations_key(run.name), check_revocations(run.admission.authorizer_key_bytes)
-            )
+        register_validators(validators, run.name, run.admission.authorizer_key_bytes)
         self.dht = DhtNode(
             key=key,
             config=run.dht,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from agora_core.admission.revocations import check_revocations, revocations_key
 from agora_core.contract import DepartureReason, Phase
 from agora_core.dht import DhtValue
 from agora_core.dht.records import RecordRejected, subkey_owner
@@ -222,9 +223,12 @@ def _check_departure(subkey: str, value: Any) -> None:
         raise RecordRejected("a departure must be written under the departing worker's own subkey")
 
 
-def register_validators(validators: Validators, run_name: str) -> None:
+def register_validators(
+    validators: Validators, run_name: str, authorizer_public_key: bytes | None = None
+) -> None:
     """Make a DHT node refuse malformed announcements, progress reports and departure records
-    of run ``run_name``."""
+    of run ``run_name``, and any revocation list not written by its authorizer (none at all
+    in an open run, which has no authorizer)."""
 
     def check(key: str, subkey: str, value: Any) -> None:
         if key.endswith("/workers"):
@@ -238,3 +242,4 @@ def register_validators(validators: Validators, run_name: str) -> None:
     validators.register(
         trainer_progress_key(run_name), lambda key, subkey, value: TrainerProgress.from_value(value)
     )
+    validators.register(revocations_key(run_name), check_revocations(authorizer_public_key))

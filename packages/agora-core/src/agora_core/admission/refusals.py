@@ -40,6 +40,7 @@ class RefusalReason(enum.StrEnum):
     EXPIRED = "expired"  # a refresh of a credential that already expired
     UNKNOWN_CREDENTIAL = "unknown_credential"  # a refresh of a credential it never issued
     REVOKED = "revoked"
+    INTERRUPTED = "interrupted"  # the authorizer restarted while checking it: send it again
 
 
 @dataclass(frozen=True, slots=True)

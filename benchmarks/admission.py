@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Admission benchmark: the full flow (request -> checks -> credential) under a crowd of joiners.
+
+    python benchmarks/admission.py [--joiners 200] [--backends sqlite,postgresql] [--json]
+
+For each backend a real authorizer process (``agora-authorizer serve``) admits ``--joiners``
+concurrent simulated joiners (each its own key and RPC server on 127.0.0.1, answering the
+dial-back: key proof, a 64 KiB bandwidth probe and the matmul challenge at the run's width).
+
+Figures per backend:
+* ``admissions_per_s`` with the token bucket off: joiners / (first request sent -> last
+  credential in hand); target >= 50 on SQLite on two cores. Baseline: ``admission.poll``
+  calls per second from the same crowd against the same authorizer (an RPC and a database
+  read: the floor any admission pays), so the ratio is the share of that rate the whole flow
+  keeps.
+* ``arrival_order`` with the bucket on (``--rate`` per minute): the fraction of joiner pairs
+  admitted in the order their requests arrived (1.0: strictly first come, first served).
+* ``refresh_ms``: the median latency of a credential refresh, against the median of a poll
+  (ratio: what a refresh adds, signature checks and a committed new credential included).
+
+The crowd runs in this process and the authorizer in another, on the same cores: the figures
+are the machine's, not the authorizer's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
+from agora_core.admission.keeper import CredentialKeeper
+from agora_core.identity import NodeKey
+from agora_core.logs import configure_logging
+
+
+async def crowd(authz, count: int) -> list[TestJoiner]:
+    return list(await asyncio.gather(*(TestJoiner(authz.run, authz.address).start() for _ in range(count))))
+
+
+async def admit_all(joiners: list[TestJoiner], account: str, token: str) -> tuple[float, list]:
+    started = time.perf_counter()
+    await asyncio.gather(*(j.join(account, token) for j in joiners))
+    final = await asyncio.gather(*(j.admission.wait(timeout_s=600) for j in joiners))
+    return time.perf_counter() - started, final
+
+
+async def poll_rate(joiners: list[TestJoiner], rounds: int = 3) -> float:
+    started = time.perf_counter()
+    for _ in range(rounds):
+        await asyncio.gather(*(j.admission.poll() for j in joiners))
+    return rounds * len(joiners) / (time.perf_counter() - started)
+
+
+def ordered_fraction(statuses: list) -> float:
+    """Of all pairs, the share admitted in arrival (request id) order."""
+    issued = [s.credential.credential.issued for s in sorted(statuses, key=lambda s: s.request_id)]
+    pairs = in_order = 0
+    for i in range(len(issued)):
+        for j in range(i + 1, len(issued)):
+            pairs += 1
+            in_order += issued[i] <= issued[j]
+    return in_order / pairs if pairs else 1.0
+
+
+async def refresh_latency(authz, joiners: list[TestJoiner], statuses: list, samples: int) -> tuple[float, float]:
+    refresh_ms, poll_ms = [], []
+    for joiner, status in list(zip(joiners, statuses, strict=True))[:samples]:
+        keeper = CredentialKeeper(
+            client=joiner.client,
+            authorizer=authz.address,
+            key=joiner.key,
+            authorizer_key=authz.key.public_key,
+            run=authz.run.name,
+            credential=status.credential,
+            on_lost=lambda reason, detail: None,
+        )
+        started = time.perf_counter()
+        await joiner.admission.poll()
+        poll_ms.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        await keeper.refresh()
+        refresh_ms.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(refresh_ms), statistics.median(poll_ms)
+
+
+async def measure(report: Report, backend: str, db: str | None, directory: Path, args) -> None:
+    count = args.joiners
+    # 1. throughput, bucket off
+    run = small_run(admissions_per_minute=0.0)
+    with authorizer_process(directory / "open", run, db=db, key=NodeKey.generate()) as authz:
+        token = authz.add_account("bench", max_nodes=count * 2)
+        joiners = await crowd(authz, count)
+        try:
+            report.note(f"{backend}: {count} joiners through the full flow, no rate limit")
+            elapsed, statuses = await admit_all(joiners, "bench", token)
+            baseline = await poll_rate(joiners)
+            rate = count / elapsed
+            target = ">= 50" if backend == "sqlite" else None
+            report.compare(f"{backend}.admissions_per_s", rate, baseline, "admissions/s", target=target)
+            refresh, poll = await refresh_latency(authz, joiners, statuses, min(50, count))
+            report.compare(f"{backend}.refresh_ms", refresh, poll, "ms (median)")
+        finally:
+            await asyncio.gather(*(j.close() for j in joiners), return_exceptions=True)
+    # 2. fairness, bucket on
+    run = small_run(admissions_per_minute=args.rate, admission_burst=1)
+    with authorizer_process(directory / "paced", run, db=db, key=NodeKey.generate()) as authz:
+        token = authz.add_account("bench", max_nodes=count * 2)
+        joiners = await crowd(authz, count)
+        try:
+            report.note(f"{backend}: the same crowd through a bucket of {args.rate:g}/min")
+            elapsed, statuses = await admit_all(joiners, "bench", token)
+            report.add(f"{backend}.arrival_order", ordered_fraction(statuses), "fraction of pairs", target="1.0")
+            report.add(f"{backend}.paced_admissions_per_s", count / elapsed, "admissions/s", ratio=count / elapsed / (args.rate / 60))
+        finally:
+            await asyncio.gather(*(j.close() for j in joiners), return_exceptions=True)
+
+
+async def main_async(args) -> None:
+    report = Report("admission", as_json=args.json)
+    with tempfile.TemporaryDirectory(prefix="agora-admission-") as tmp:
+        for backend in args.backends.split(","):
+            directory = Path(tmp) / backend
+            if backend == "sqlite":
+                await measure(report, backend, None, directory, args)
+            elif backend == "postgresql":
+                from agora_authorizer.testing_postgres import create_database, postgres_server
+
+                with postgres_server() as server:
+                    await measure(report, backend, create_database(server, "bench_open"), directory, args)
+            else:
+                sys.exit(f"unknown backend {backend!r}: sqlite or postgresql")
+    report.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--joiners", type=int, default=200)
+    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--rate", type=float, default=3000.0, help="admissions per minute for the fairness run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    configure_logging(fmt="console", level="warning")
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

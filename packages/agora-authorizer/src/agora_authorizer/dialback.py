@@ -1,0 +1,118 @@
+"""The checks that dial the joiner back: reachability, key possession, bandwidth, compute.
+
+The authorizer calls the address the request advertised: ``admission.prove`` with a fresh
+nonce (the answer must be signed by the requesting key; its round trip is the latency),
+``admission.probe`` for ``bandwidth_probe_bytes`` random bytes (timed: bandwidth) and
+``admission.challenge`` (the seeded matmul, timed; a few rows recomputed here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+from agora_core.admission import JoinRequest, Refusal, RefusalReason
+from agora_core.admission.answerer import NONCE_BYTES, prove_message
+from agora_core.admission.challenge import check_rows
+from agora_core.config import AdmissionConfig
+from agora_core.contract import Method
+from agora_core.errors import AgoraError
+from agora_core.identity import verify_signature
+from agora_core.rpc import RpcClient
+
+DIAL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class DialBackResult:
+    refusal: Refusal | None = None
+    measured: dict[str, float] = field(default_factory=dict)  # latency_ms, bandwidth_mbps, challenge_s
+
+
+async def dial_back(
+    client: RpcClient, request: JoinRequest, *, run: str, config: AdmissionConfig, challenge_width: int
+) -> DialBackResult:
+    result = DialBackResult()
+    measured = result.measured
+    address = request.address
+    nonce = os.urandom(NONCE_BYTES)
+    try:
+        started = time.perf_counter()
+        reply = await client.call(address, Method.ADMISSION_PROVE, {"nonce": nonce}, timeout_s=DIAL_TIMEOUT_S)
+        rtt = time.perf_counter() - started
+    except AgoraError as exc:
+        result.refusal = Refusal(
+            RefusalReason.UNREACHABLE,
+            f"could not reach {address} ({type(exc).__name__}: {exc}); open the port, or advertise "
+            "an address others can dial (--advertise)",
+        )
+        return result
+    signature = reply.meta.get("signature") if isinstance(reply.meta, dict) else None
+    if not isinstance(signature, bytes) or not verify_signature(
+        request.public_key, prove_message(run, nonce), signature
+    ):
+        result.refusal = Refusal(
+            RefusalReason.KEY_MISMATCH,
+            f"{address} answered, but not with the key of node {request.node_id[:12]}",
+        )
+        return result
+    measured["latency_ms"] = rtt * 1000.0
+    if request.role != "worker":
+        return result  # trainers: reachable and holding their key is all they must show
+    if config.max_latency_ms and measured["latency_ms"] > config.max_latency_ms:
+        result.refusal = Refusal(
+            RefusalReason.LATENCY,
+            f"round trip {measured['latency_ms']:.0f} ms to {address} exceeds this run's {config.max_latency_ms:g} ms",
+        )
+        return result
+    try:
+        if config.bandwidth_probe_bytes:
+            started = time.perf_counter()
+            reply = await client.call(
+                address, Method.ADMISSION_PROBE, {"bytes": config.bandwidth_probe_bytes}, timeout_s=60.0
+            )
+            elapsed = max(1e-6, time.perf_counter() - started - rtt)  # the transfer, less a round trip
+            probe = reply.meta.get("probe") if isinstance(reply.meta, dict) else None
+            if not isinstance(probe, bytes) or len(probe) != config.bandwidth_probe_bytes:
+                result.refusal = Refusal(RefusalReason.BANDWIDTH, "the bandwidth probe came back short")
+                return result
+            measured["bandwidth_mbps"] = len(probe) * 8 / elapsed / 1e6
+            if measured["bandwidth_mbps"] < config.min_bandwidth_mbps:
+                result.refusal = Refusal(
+                    RefusalReason.BANDWIDTH,
+                    f"measured {measured['bandwidth_mbps']:.0f} Mbit/s from {address}; this run needs "
+                    f"{config.min_bandwidth_mbps:g} Mbit/s",
+                )
+                return result
+        seed = random.SystemRandom().getrandbits(63)
+        started = time.perf_counter()
+        timeout = max(DIAL_TIMEOUT_S, 3 * config.max_challenge_s)
+        reply = await client.call(
+            address, Method.ADMISSION_CHALLENGE, {"seed": seed, "n": challenge_width}, timeout_s=timeout
+        )
+        measured["challenge_s"] = time.perf_counter() - started
+    except AgoraError as exc:
+        result.refusal = Refusal(RefusalReason.UNREACHABLE, f"{address} stopped answering the checks: {exc}")
+        return result
+    rows_answer = reply.meta.get("rows") if isinstance(reply.meta, dict) else None
+    if isinstance(reply.meta, dict) and isinstance(reply.meta.get("seconds"), (int, float)):
+        measured["challenge_reported_s"] = float(reply.meta["seconds"])
+    picks = random.sample(range(challenge_width), min(config.challenge_rows_checked, challenge_width))
+    correct = isinstance(rows_answer, bytes) and await asyncio.to_thread(
+        check_rows, seed, challenge_width, rows_answer, picks
+    )
+    if not correct:
+        result.refusal = Refusal(
+            RefusalReason.CHALLENGE_WRONG,
+            f"the {challenge_width}x{challenge_width} matmul challenge came back wrong: the device "
+            "does not compute what it claims",
+        )
+    elif config.max_challenge_s and measured["challenge_s"] > config.max_challenge_s:
+        result.refusal = Refusal(
+            RefusalReason.CHALLENGE_SLOW,
+            f"the matmul challenge took {measured['challenge_s']:.2f} s; this run allows {config.max_challenge_s:g} s",
+        )
+    return result

@@ -1,0 +1,295 @@
+"""The authorizer service: admission.join, .poll, .refresh and .status over the agora RPC.
+
+A join request is opened (signature, run, freshness), its nonce remembered (replays are
+refused), recorded, then checked: accountability and hardware floors and software (no
+network), then the dial-back (reachability, key, latency, bandwidth, compute). A request
+that passes is placed on a stage (workers) and queued; the queue releases it through the
+token bucket, and its credential is issued in the same transaction that records it admitted.
+Every step is committed before the joiner hears of it, so a killed authorizer loses nothing
+it answered; requests it was still checking are marked interrupted on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from agora_authorizer.bucket import TokenBucket
+from agora_authorizer.checks import SoftwarePolicy, check_hardware
+from agora_authorizer.dialback import dial_back
+from agora_authorizer.issuing import CredentialIssuer
+from agora_authorizer.placement import StageLoad, choose_stage, read_loads
+from agora_authorizer.queue import AdmissionQueue
+from agora_authorizer.revocation_publisher import RevocationPublisher
+from agora_authorizer.status import status_report
+from agora_authorizer.store import Store
+from agora_core.admission import JoinRequest, Refusal, RefusalReason, open_join_request
+from agora_core.config import RunConfig
+from agora_core.contract import Method
+from agora_core.errors import BadRequest
+from agora_core.identity import NodeKey
+from agora_core.logs import get_logger
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, Request
+from agora_core.run_node import RunNode
+
+log = get_logger("authorizer")
+LOADS_CACHE_S = 1.0  # placement re-reads the DHT at most this often
+PROMISE_S = 120.0  # a worker admitted this recently counts for its stage until it announces
+
+
+class Authorizer:
+    def __init__(
+        self,
+        *,
+        run: RunConfig,
+        key: NodeKey,
+        store: Store,
+        listen: str = "127.0.0.1:0",
+        bootstrap: Sequence[str] = (),
+        advertise: str | None = None,
+        allowed_software: Sequence[str] = (),
+        metrics: NodeMetrics | None = None,
+    ):
+        self.run = run
+        self.config = run.admission
+        self.key = key
+        self.store = store
+        self.metrics = metrics or NodeMetrics(role="authorizer", instance=key.node_id[:12])
+        self.node = RunNode(
+            run=run, key=key, metrics=self.metrics, listen=listen, bootstrap=bootstrap, advertise=advertise
+        )
+        self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
+        self.software = SoftwarePolicy([*self.config.allowed_software, *allowed_software])
+        self.challenge_width = self.config.challenge_width or run.model.d_model
+        # One database thread: the store's calls are short and their order is the commit order.
+        self._db_thread = ThreadPoolExecutor(1, thread_name_prefix="authorizer-db")
+        self.issuer = CredentialIssuer(run=run, key=key, store=store, db=self.db)
+        self.bucket = TokenBucket(self.config.admissions_per_minute, self.config.admission_burst)
+        self.queue = AdmissionQueue(self.bucket, self._admit)
+        self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
+        self._place_lock = asyncio.Lock()
+        self._loads: tuple[float, list[StageLoad]] | None = None
+        self._checking: dict[str, int] = {}  # account -> requests being checked now
+        self._tasks: list[asyncio.Task] = []
+        self.address: str | None = None
+        self._m_requests = self.metrics.counter(
+            "agora_authorizer_requests_total", "Join requests by outcome and reason.", ["outcome", "reason"]
+        )
+        self._m_queue = self.metrics.gauge("agora_authorizer_queue_length", "Checked requests waiting.")
+        for method, handler in (
+            (Method.ADMISSION_JOIN, self._on_join),
+            (Method.ADMISSION_POLL, self._on_poll),
+            (Method.ADMISSION_REFRESH, self.issuer.on_refresh),
+            (Method.ADMISSION_STATUS, self._on_status),
+        ):
+            self.server.register(method, handler)
+
+    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._db_thread, lambda: fn(*args, **kwargs))
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Recover the queue, serve, join the DHT, release the queue, publish revocations."""
+        now = time.time()
+        interrupted = await self.db(self.store.interrupt_checking, now=now)
+        if interrupted:
+            log.warning("requests_interrupted", count=interrupted)
+        queued = await self.db(self.store.queued)
+        self.queue.load([r.id for r in queued])
+        self._m_queue.set(len(self.queue))
+        self.address = await self.node.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self.queue.run(), name="authorizer-queue"),
+            loop.create_task(self.revocations.run(), name="authorizer-revocations"),
+        ]
+        log.info("authorizer_started", address=self.address, queued=len(self.queue), run=self.run.name)
+        return self.address
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.node.stop()
+        self._db_thread.shutdown(wait=True)
+
+    # --- join ------------------------------------------------------------------------------
+
+    def _answer(self, refusal: Refusal, request_id: int | None = None) -> Payload:
+        self._m_requests.labels(outcome="refused", reason=refusal.reason.value).inc()
+        return Payload({**refusal.to_value(), "request_id": request_id})
+
+    async def _refuse(self, request_id: int, refusal: Refusal, checks: dict | None = None) -> Payload:
+        await self.db(
+            self.store.set_request,
+            request_id,
+            status="refused",
+            reason=refusal.reason.value,
+            detail=refusal.detail,
+            checks=checks,
+            now=time.time(),
+        )
+        log.info("join_refused", request_id=request_id, reason=refusal.reason.value, detail=refusal.detail)
+        return self._answer(refusal, request_id)
+
+    async def _on_join(self, request: Request) -> Payload:
+        now = time.time()
+        value = request.meta.get("request") if isinstance(request.meta, dict) else None
+        opened = open_join_request(value, run=self.run.name, now=now, max_age_s=self.config.request_max_age_s)
+        if isinstance(opened, Refusal):
+            return await self._refuse(await self.db(self.store.add_unopened_request, now=now), opened)
+        if not await self.db(self.store.remember_nonce, opened.nonce, now=now):
+            refusal = Refusal(RefusalReason.REPLAYED, "this request was sent before: sign a fresh one")
+            return await self._refuse(await self._record(opened, now), refusal)
+        request_id = await self._record(opened, now)
+        account = opened.account
+        self._checking[account] = self._checking.get(account, 0) + 1
+        try:
+            refusal = (
+                await self._accountability(opened, now)
+                or check_hardware(self.config, opened.role, opened.hardware)
+                or self.software.check(opened)
+            )
+            if refusal is not None:
+                return await self._refuse(request_id, refusal)
+            dialed = await dial_back(
+                self.client,
+                opened,
+                run=self.run.name,
+                config=self.config,
+                challenge_width=self.challenge_width,
+            )
+            if dialed.refusal is not None:
+                return await self._refuse(request_id, dialed.refusal, dialed.measured)
+            stage = await self._enqueue(opened, request_id, dialed.measured)
+        finally:
+            self._checking[account] -= 1
+        log.info(
+            "join_queued", request_id=request_id, node=opened.node_id[:12], role=opened.role, stage=stage
+        )
+        self._m_queue.set(len(self.queue))
+        await self.queue.release_ready()  # a token waiting: admitted in this very answer
+        return Payload(await self._status_of(request_id))
+
+    async def _record(self, opened: JoinRequest, now: float) -> int:
+        return await self.db(
+            self.store.add_request,
+            node_id=opened.node_id,
+            public_key=opened.public_key,
+            role=opened.role,
+            address=opened.address,
+            account=opened.account,
+            hardware=opened.hardware.to_value(),
+            software=opened.software,
+            now=now,
+        )
+
+    async def _accountability(self, opened: JoinRequest, now: float) -> Refusal | None:
+        account = await self.db(self.store.check_account, opened.account, opened.account_token)
+        if account is None:
+            return Refusal(
+                RefusalReason.UNKNOWN_ACCOUNT,
+                f"no account {opened.account!r} with that token (the operator creates accounts: "
+                "agora-authorizer account add)",
+            )
+        if await self.db(self.store.is_banned, "account", opened.account):
+            return Refusal(
+                RefusalReason.BANNED_ACCOUNT, f"account {opened.account!r} is banned from this run"
+            )
+        if await self.db(self.store.is_banned, "node", opened.node_id):
+            return Refusal(RefusalReason.BANNED_NODE, f"node {opened.node_id} is banned from this run")
+        limit = account.max_nodes or self.config.max_nodes_per_account
+        live = await self.db(self.store.live_nodes_of_account, opened.account, now=now)
+        queued = sum(1 for r in await self.db(self.store.queued) if r.account == opened.account)
+        in_flight = live + queued + self._checking.get(opened.account, 1) - 1
+        if in_flight >= limit:
+            return Refusal(
+                RefusalReason.ACCOUNT_LIMIT,
+                f"account {opened.account!r} already has {in_flight} nodes in the run (at most {limit})",
+            )
+        return None
+
+    async def _enqueue(self, opened: JoinRequest, request_id: int, checks: dict) -> int | None:
+        """Place a worker and queue the request, under one lock: concurrent joiners see each
+        other's placements."""
+        async with self._place_lock:
+            stage = None
+            if opened.role == "worker":
+                stage = await self.db(self.store.pin_of, opened.node_id)
+                if stage is not None and stage >= self.run.model.n_stages:
+                    stage = None  # a stale pin from another model shape: place normally
+                if stage is None:
+                    stage = choose_stage(await self._stage_loads())
+            await self.db(
+                self.store.set_request,
+                request_id,
+                status="queued",
+                stage=stage,
+                checks=checks,
+                now=time.time(),
+            )
+            self.queue.add(request_id)
+            if stage is not None and self._loads is not None:
+                self._loads[1][stage].promised.add(opened.node_id)
+            return stage
+
+    async def _stage_loads(self) -> list[StageLoad]:
+        now = time.monotonic()
+        if self._loads is not None and now - self._loads[0] < LOADS_CACHE_S:
+            return self._loads[1]
+        loads = await read_loads(self.dht, self.run.name, list(self.run.model.stage_layers))
+        wall = time.time()
+        for credential in await self.db(self.store.live_credentials, now=wall):
+            if credential.stage is not None and credential.issued > wall - PROMISE_S:
+                loads[credential.stage].promised.add(credential.node_id)
+        for queued in await self.db(self.store.queued):
+            if queued.stage is not None:
+                loads[queued.stage].promised.add(queued.node_id)
+        self._loads = (now, loads)
+        return loads
+
+    async def _admit(self, request_id: int) -> None:
+        await self.issuer.admit(request_id)
+        self._m_requests.labels(outcome="admitted", reason="").inc()
+        self._m_queue.set(len(self.queue) - 1)
+
+    # --- poll and status ---------------------------------------------------------------------
+
+    async def _status_of(self, request_id: int) -> dict:
+        row = await self.db(self.store.request, request_id)
+        if row is None:
+            raise BadRequest(f"no admission request {request_id}")
+        answer: dict[str, Any] = {"status": row.status, "request_id": row.id, "stage": row.stage}
+        if row.status == "queued":
+            position = self.queue.position(row.id) or 1
+            eta = self.queue.eta_s(position)
+            answer |= {"position": position, "eta_s": eta, "poll_s": min(max(0.2, eta / 4), 10.0)}
+        elif row.status == "admitted":
+            credential = await self.db(self.store.latest_credential_of, row.node_id)
+            answer["credential"] = {"body": credential.body, "signature": credential.signature}
+        elif row.status == "refused":
+            answer |= {"reason": row.reason, "detail": row.detail}
+        else:  # still being checked by another call
+            answer |= {"status": "queued", "position": len(self.queue) + 1, "poll_s": 1.0}
+        return answer
+
+    async def _on_poll(self, request: Request) -> Payload:
+        meta = request.meta if isinstance(request.meta, dict) else {}
+        request_id, node_id = meta.get("request_id"), meta.get("node_id")
+        if not isinstance(request_id, int) or not isinstance(node_id, str):
+            raise BadRequest("admission.poll needs {'request_id': int, 'node_id': str}")
+        row = await self.db(self.store.request, request_id)
+        if row is None or row.node_id != node_id:
+            raise BadRequest(f"node {node_id[:12]} has no admission request {request_id}")
+        return Payload(await self._status_of(request_id))
+
+    async def _on_status(self, request: Request) -> Payload:
+        report = await self.db(status_report, self.store, now=time.time())
+        report["tokens"] = None if self.bucket.unlimited else round(self.bucket.tokens(), 2)
+        report["address"] = self.address
+        return Payload(report)

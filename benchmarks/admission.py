@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
@@ -68,7 +69,9 @@ def ordered_fraction(statuses: list) -> float:
     return in_order / pairs if pairs else 1.0
 
 
-async def refresh_latency(authz, joiners: list[TestJoiner], statuses: list, samples: int) -> tuple[float, float]:
+async def refresh_latency(
+    authz, joiners: list[TestJoiner], statuses: list, samples: int
+) -> tuple[float, float]:
     refresh_ms, poll_ms = [], []
     for joiner, status in list(zip(joiners, statuses, strict=True))[:samples]:
         keeper = CredentialKeeper(
@@ -89,11 +92,11 @@ async def refresh_latency(authz, joiners: list[TestJoiner], statuses: list, samp
     return statistics.median(refresh_ms), statistics.median(poll_ms)
 
 
-async def measure(report: Report, backend: str, db: str | None, directory: Path, args) -> None:
+async def measure(report: Report, backend: str, db: Callable[[], str | None], directory: Path, args) -> None:
     count = args.joiners
     # 1. throughput, bucket off
     run = small_run(admissions_per_minute=0.0)
-    with authorizer_process(directory / "open", run, db=db, key=NodeKey.generate()) as authz:
+    with authorizer_process(directory / "open", run, db=db(), key=NodeKey.generate()) as authz:
         token = authz.add_account("bench", max_nodes=count * 2)
         joiners = await crowd(authz, count)
         try:
@@ -109,14 +112,21 @@ async def measure(report: Report, backend: str, db: str | None, directory: Path,
             await asyncio.gather(*(j.close() for j in joiners), return_exceptions=True)
     # 2. fairness, bucket on
     run = small_run(admissions_per_minute=args.rate, admission_burst=1)
-    with authorizer_process(directory / "paced", run, db=db, key=NodeKey.generate()) as authz:
+    with authorizer_process(directory / "paced", run, db=db(), key=NodeKey.generate()) as authz:
         token = authz.add_account("bench", max_nodes=count * 2)
         joiners = await crowd(authz, count)
         try:
             report.note(f"{backend}: the same crowd through a bucket of {args.rate:g}/min")
             elapsed, statuses = await admit_all(joiners, "bench", token)
-            report.add(f"{backend}.arrival_order", ordered_fraction(statuses), "fraction of pairs", target="1.0")
-            report.add(f"{backend}.paced_admissions_per_s", count / elapsed, "admissions/s", ratio=count / elapsed / (args.rate / 60))
+            report.add(
+                f"{backend}.arrival_order", ordered_fraction(statuses), "fraction of pairs", target="1.0"
+            )
+            report.add(
+                f"{backend}.paced_admissions_per_s",
+                count / elapsed,
+                "admissions/s",
+                ratio=count / elapsed / (args.rate / 60),
+            )
         finally:
             await asyncio.gather(*(j.close() for j in joiners), return_exceptions=True)
 
@@ -127,12 +137,12 @@ async def main_async(args) -> None:
         for backend in args.backends.split(","):
             directory = Path(tmp) / backend
             if backend == "sqlite":
-                await measure(report, backend, None, directory, args)
+                await measure(report, backend, lambda: None, directory, args)
             elif backend == "postgresql":
                 from agora_authorizer.testing_postgres import create_database, postgres_server
 
                 with postgres_server() as server:
-                    await measure(report, backend, create_database(server, "bench_open"), directory, args)
+                    await measure(report, backend, lambda: create_database(server), directory, args)
             else:
                 sys.exit(f"unknown backend {backend!r}: sqlite or postgresql")
     report.finish()
@@ -142,7 +152,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--joiners", type=int, default=200)
     parser.add_argument("--backends", default="sqlite,postgresql")
-    parser.add_argument("--rate", type=float, default=3000.0, help="admissions per minute for the fairness run")
+    parser.add_argument(
+        "--rate", type=float, default=3000.0, help="admissions per minute for the fairness run"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     configure_logging(fmt="console", level="warning")

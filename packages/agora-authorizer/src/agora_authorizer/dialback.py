@@ -14,6 +14,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from agora_core.admission import JoinRequest, Refusal, RefusalReason
 from agora_core.admission.answerer import NONCE_BYTES, prove_message
 from agora_core.admission.challenge import check_rows
@@ -75,11 +77,11 @@ async def dial_back(
                 address, Method.ADMISSION_PROBE, {"bytes": config.bandwidth_probe_bytes}, timeout_s=60.0
             )
             elapsed = max(1e-6, time.perf_counter() - started - rtt)  # the transfer, less a round trip
-            probe = reply.meta.get("probe") if isinstance(reply.meta, dict) else None
-            if not isinstance(probe, bytes) or len(probe) != config.bandwidth_probe_bytes:
+            probe = reply.tensors.get("probe")
+            if not isinstance(probe, np.ndarray) or probe.nbytes != config.bandwidth_probe_bytes:
                 result.refusal = Refusal(RefusalReason.BANDWIDTH, "the bandwidth probe came back short")
                 return result
-            measured["bandwidth_mbps"] = len(probe) * 8 / elapsed / 1e6
+            measured["bandwidth_mbps"] = probe.nbytes * 8 / elapsed / 1e6
             if measured["bandwidth_mbps"] < config.min_bandwidth_mbps:
                 result.refusal = Refusal(
                     RefusalReason.BANDWIDTH,
@@ -97,7 +99,8 @@ async def dial_back(
     except AgoraError as exc:
         result.refusal = Refusal(RefusalReason.UNREACHABLE, f"{address} stopped answering the checks: {exc}")
         return result
-    rows_answer = reply.meta.get("rows") if isinstance(reply.meta, dict) else None
+    rows = reply.tensors.get("rows")
+    rows_answer = rows.tobytes() if isinstance(rows, np.ndarray) and rows.dtype == np.uint8 else None
     if isinstance(reply.meta, dict) and isinstance(reply.meta.get("seconds"), (int, float)):
         measured["challenge_reported_s"] = float(reply.meta["seconds"])
     picks = random.sample(range(challenge_width), min(config.challenge_rows_checked, challenge_width))

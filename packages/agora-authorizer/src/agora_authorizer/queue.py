@@ -1,15 +1,20 @@
 """The admission queue: checked requests wait here in arrival order for the token bucket.
 
-The database is the queue (requests with status "queued", in id order); this class mirrors
-it in memory and releases its head whenever the bucket has a token. One releaser at a time,
-so nodes are admitted strictly in arrival order. A restarted authorizer rebuilds the mirror
-from the database and carries on where it stopped.
+The database is the queue (requests with status "queued", in id order: the order they
+arrived in); this class mirrors it in memory and releases its head whenever the bucket has a
+token. Checks take longer for some joiners than for others, so a request that arrived
+earlier may finish its checks later: the head is held back while an earlier request is
+still being checked (for at most ``hold_s``), so nodes are admitted in the order they asked.
+One releaser at a time. A restarted authorizer rebuilds the mirror from the database and
+carries on where it stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import bisect
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 from agora_authorizer.bucket import TokenBucket
@@ -19,10 +24,12 @@ log = get_logger("authorizer.queue")
 
 
 class AdmissionQueue:
-    def __init__(self, bucket: TokenBucket, admit: Callable[[int], Awaitable[None]]):
+    def __init__(self, bucket: TokenBucket, admit: Callable[[int], Awaitable[None]], *, hold_s: float = 30.0):
         self.bucket = bucket
         self.admit = admit  # issues request id's credential and records it as admitted
-        self._ids: deque[int] = deque()
+        self.hold_s = hold_s
+        self._ids: list[int] = []  # sorted: arrival order
+        self._checking: dict[int, float] = {}  # request id -> when its checks began (monotonic)
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
 
@@ -30,18 +37,31 @@ class AdmissionQueue:
         return len(self._ids)
 
     def load(self, request_ids: list[int]) -> None:
-        self._ids = deque(sorted(request_ids))
+        self._ids = sorted(request_ids)
+
+    def checking(self, request_id: int) -> None:
+        """Request ``request_id`` arrived and is being checked: later ones wait for it."""
+        self._checking[request_id] = time.monotonic()
+
+    def checked(self, request_id: int) -> None:
+        """Its checks ended (queued, or refused)."""
+        self._checking.pop(request_id, None)
+        self._wake.set()
 
     def add(self, request_id: int) -> None:
-        self._ids.append(request_id)
-        self._wake.set()
+        bisect.insort(self._ids, request_id)
+        self.checked(request_id)
 
     def position(self, request_id: int) -> int | None:
         """1 for the head; None when it is not queued."""
-        try:
-            return self._ids.index(request_id) + 1
-        except ValueError:
-            return None
+        index = bisect.bisect_left(self._ids, request_id)
+        return index + 1 if index < len(self._ids) and self._ids[index] == request_id else None
+
+    def _head_ready(self) -> bool:
+        """The head may go: no earlier request is still being checked (within hold_s)."""
+        now = time.monotonic()
+        head = self._ids[0]
+        return not any(rid < head and now - began < self.hold_s for rid, began in self._checking.items())
 
     def eta_s(self, position: int) -> float:
         """Seconds until the node at ``position`` is released, at the bucket's rate."""
@@ -53,7 +73,7 @@ class AdmissionQueue:
         """Admit from the head while the bucket has tokens; how many were admitted."""
         admitted = 0
         async with self._lock:
-            while self._ids and self.bucket.take():
+            while self._ids and self._head_ready() and self.bucket.take():
                 request_id = self._ids[0]
                 try:
                     await self.admit(request_id)
@@ -62,20 +82,22 @@ class AdmissionQueue:
                     # signer failed, and the next pass tries it again
                     log.exception("admit_failed", request_id=request_id)
                     raise
-                self._ids.popleft()
+                self._ids.pop(0)
                 admitted += 1
         return admitted
 
     async def run(self, *, retry_s: float = 1.0) -> None:
         """Release the queue as tokens come, until cancelled."""
         while True:
-            if not self._ids:
-                self._wake.clear()
-                await self._wake.wait()
+            if not self._ids or not self._head_ready():
+                self._wake.clear()  # an arrival or a finished check wakes it
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.hold_s):
+                        await self._wake.wait()
             try:
                 await self.release_ready()
             except Exception:  # logged above; back off, then try the same head again
                 await asyncio.sleep(retry_s)
                 continue
-            if self._ids:
+            if self._ids and self._head_ready():
                 await asyncio.sleep(max(0.01, self.bucket.wait_s()))  # the bucket's next token

@@ -149,6 +149,7 @@ class Authorizer:
         request_id = await self._record(opened, now)
         account = opened.account
         self._checking[account] = self._checking.get(account, 0) + 1
+        self.queue.checking(request_id)
         try:
             refusal = (
                 await self._accountability(opened, now)

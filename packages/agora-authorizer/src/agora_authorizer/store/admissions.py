@@ -66,6 +66,39 @@ class Admissions:
         with self._db.transaction(write=True) as connection:
             return connection.execute(insert(schema.requests).values(row)).inserted_primary_key[0]
 
+    def add_unopened_request(self, *, now: float) -> int:
+        """Record a request that could not even be opened (malformed, or not signed by the key
+        it names): its fields are not to be trusted, so none are kept. Returns its id; the
+        caller refuses it with the reason."""
+        row = {
+            "node_id": "",
+            "public_key": b"",
+            "role": "",
+            "address": "",
+            "account": "",
+            "hardware": {},
+            "software": {},
+            "status": "checking",
+            "received": now,
+        }
+        with self._db.transaction(write=True) as connection:
+            return connection.execute(insert(schema.requests).values(row)).inserted_primary_key[0]
+
+    def interrupt_checking(self, *, now: float) -> int:
+        """Refuse every request still "checking" as interrupted (the authorizer died while
+        checking it, so its joiner never had an answer); returns how many."""
+        table = schema.requests
+        values = {
+            "status": "refused",
+            "reason": "interrupted",
+            "detail": "the authorizer restarted while checking this request: send a fresh one",
+            "decided": now,
+        }
+        with self._db.transaction(write=True) as connection:
+            return connection.execute(
+                update(table).where(table.c.status == "checking").values(values)
+            ).rowcount
+
     def set_request(
         self,
         request_id: int,

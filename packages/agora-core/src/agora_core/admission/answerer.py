@@ -60,7 +60,8 @@ class DialBackAnswerer:
         size = request.meta.get("bytes") if isinstance(request.meta, dict) else None
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_PROBE_BYTES:
             raise BadRequest(f"admission.probe needs {{'bytes': n}} with 0 <= n <= {MAX_PROBE_BYTES}")
-        return Payload({"probe": os.urandom(size)})  # random: no compression can shrink it
+        # random bytes, as a tensor (bulk data travels in frames): no compression shrinks them
+        return Payload({"bytes": size}, {"probe": np.frombuffer(os.urandom(size), dtype=np.uint8)})
 
     async def _on_challenge(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
@@ -70,4 +71,5 @@ class DialBackAnswerer:
         started = time.perf_counter()
         rows = await asyncio.to_thread(answer_challenge, seed, n, self.matmul)
         self.challenges += 1
-        return Payload({"rows": rows, "seconds": time.perf_counter() - started})
+        elapsed = time.perf_counter() - started
+        return Payload({"seconds": elapsed}, {"rows": np.frombuffer(rows, dtype=np.uint8)})

@@ -70,7 +70,7 @@ def parse_status(meta: Any, *, authorizer_key: bytes, run: str, public_key: byte
     if status == "admitted":
         try:
             credential = verify_credential(
-                meta.get("credential"), authorizer_key=authorizer_key, run=run, public_key=public_key
+                meta.get("credential"), authorizer_public_key=authorizer_key, run=run, public_key=public_key
             )
         except CredentialError as exc:
             raise AdmissionRefused(

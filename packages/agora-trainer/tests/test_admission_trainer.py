@@ -1,0 +1,194 @@
+"""A trainer in an authorized run, against a real authorizer process (its own SQLite file, a
+free 127.0.0.1 port): admitted before it routes anything, stopped with the credential_lost
+exit code when its refresh is refused, and dropping workers the run's revocation list names.
+No torch: the compute challenge runs on numpy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agora_authorizer.testing import AuthorizerProcess, authorizer_process
+from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
+from agora_core.config import NodeSettings, parse_run_config
+from agora_core.config.run import DhtConfig
+from agora_core.contract import Phase
+from agora_core.dht import BlockingDht, owned_subkey
+from agora_core.identity import NodeKey
+from agora_core.metrics import NodeMetrics
+from agora_core.run_node import RunNode
+from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_core.testing import ChildProcess, spawn_python, wait_until_async
+from agora_trainer.shards import make_shards
+from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.trainer import Trainer, TrainerSettings
+
+pytestmark = pytest.mark.slow
+START_S = 60.0  # a trainer process starts and is admitted
+DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0, op_timeout_s=1.0)
+RUN = """
+name = "{name}"
+[model]
+kind = "surrogate"
+d_model = 32
+n_heads = 2
+subspace_rank = 4
+vocab_size = 256
+seq_len = 16
+stage_layers = [1, 1]
+[averaging]
+matchmaking_window_s = 1.0
+round_timeout_s = 5.0
+chunk_timeout_s = 2.0
+[dht]
+gossip_period_s = 0.2
+probe_timeout_s = 0.1
+suspicion_timeout_s = 1.0
+op_timeout_s = 1.0
+record_ttl_s = 3.0
+[admission]
+min_device_memory_gb = 0.0
+min_host_memory_gb = 0.0
+min_bandwidth_mbps = 0.0
+max_latency_ms = 0.0
+max_challenge_s = 0.0
+bandwidth_probe_bytes = 65536
+admissions_per_minute = 0.0
+credential_lifetime_s = {lifetime_s}
+"""
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    make_shards(out, shards=1, tokenizer=ByteTokenizer(), max_bytes=20_000)
+    return out
+
+
+@pytest.fixture(scope="module")
+def seed() -> Iterator[BlockingDht]:
+    dht = BlockingDht(key=NodeKey.generate(), config=DHT, timeout_s=10.0)
+    dht.start()
+    try:
+        yield dht
+    finally:
+        dht.stop()
+
+
+@contextlib.contextmanager
+def authorizer(tmp_path: Path, name: str, *, lifetime_s: float, seed: BlockingDht | None = None):
+    run = parse_run_config(RUN.format(name=name, lifetime_s=lifetime_s))
+    extra = ("--allow-local-build",) + (("--bootstrap", seed.address) if seed is not None else ())
+    with authorizer_process(tmp_path / "authz", run, extra=extra) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def trainer_process(
+    tmp_path: Path, authz: AuthorizerProcess, shards: Path
+) -> Iterator[tuple[ChildProcess, str]]:
+    """A trainer process admitted through ``authz`` (alone in its DHT: it waits for workers)."""
+    token = authz.add_account("acme")
+    command = [
+        *("-m", "agora_trainer", "run", "--config", str(authz.config_file), "--shards", str(shards)),
+        *("--authorizer", authz.address, "--account", "acme", "--key-file", str(tmp_path / "trainer.key")),
+        *("--progress-interval", "0.5", "--refresh-interval", "0.3"),
+    ]
+    with spawn_python(command, env={"AGORA_ACCOUNT_TOKEN": token, "AGORA_LOG_LEVEL": "warning"}) as child:
+        node_id = child.read_until("  node id    ", timeout_s=START_S)
+        admitted = ""
+        while not admitted.startswith("admitted"):  # queued first, maybe
+            admitted = child.read_until("  admission  ", timeout_s=START_S)
+        yield child, node_id
+
+
+def test_a_trainer_is_admitted_before_it_trains_and_stops_cleanly(tmp_path, shards):
+    with authorizer(tmp_path, "adm-trainer", lifetime_s=60.0) as authz:
+        with trainer_process(tmp_path, authz, shards) as (child, node_id):
+            report = json.loads(authz.cli("status", "--json").stdout)
+            assert report["admitted"]["by_role"] == {"trainer": 1}
+            assert [n["node_id"] for n in report["nodes"]] == [node_id]
+            child.proc.send_signal(signal.SIGTERM)  # still waiting for workers: nothing in flight
+            assert child.read_until("stopped before training", timeout_s=30) == ""
+            assert child.proc.wait(timeout=30) == 0
+
+
+def test_a_trainer_whose_refresh_is_refused_stops_with_the_credential_lost_code(tmp_path, shards):
+    lifetime_s = 6.0
+    with authorizer(tmp_path, "adm-trainer-ban", lifetime_s=lifetime_s) as authz:
+        with trainer_process(tmp_path, authz, shards) as (child, node_id):
+            authz.cli("ban", node_id, "--kind", "node")
+            started = time.monotonic()
+            line = child.read_until("credential lost ", timeout_s=lifetime_s + 5.0)
+            assert f"(exit code {CREDENTIAL_LOST_EXIT_CODE})" in line, line
+            assert child.proc.wait(timeout=30) == CREDENTIAL_LOST_EXIT_CODE
+            assert time.monotonic() - started <= lifetime_s + 5.0
+
+
+async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(tmp_path, shards, seed):
+    authz_stack = contextlib.ExitStack()
+    authz = await asyncio.to_thread(
+        authz_stack.enter_context, authorizer(tmp_path, "adm-routing", lifetime_s=60.0, seed=seed)
+    )
+    try:
+        token = await asyncio.to_thread(authz.add_account, "acme")
+        run, key = authz.run, NodeKey.generate()
+        metrics = NodeMetrics(role="trainer")
+        node = RunNode(run=run, key=key, metrics=metrics, bootstrap=[seed.address])
+        settings = NodeSettings(authorizer=authz.address, account="acme", account_token=token)
+        admission = NodeAdmission(
+            run=run, node=node, key=key, role="trainer", settings=settings, hardware=cpu_hardware()
+        )
+        trainer = Trainer(
+            run=run,
+            shards_dir=shards,
+            key=key,
+            settings=TrainerSettings(refresh_interval_s=0.3, progress_interval_s=0.5),
+            metrics=metrics,
+            node=node,
+            admission=admission,
+        )
+        try:
+            # One worker per stage, announced the way workers announce themselves (signed, each
+            # under its own key); the trainer routes to both, until one is banned.
+            workers = [NodeKey.generate() for _ in range(2)]
+            for stage, worker in enumerate(workers):
+                announcement = WorkerAnnouncement(
+                    node_id=worker.node_id,
+                    address=f"tcp://127.0.0.1:{9 + stage}",
+                    stage=stage,
+                    phase=Phase.SERVING,
+                    throughput=1.0,
+                    load=0,
+                    max_batch=1,
+                    version="test",
+                )
+                await asyncio.to_thread(
+                    seed.store,
+                    stage_workers_key(run.name, stage),
+                    owned_subkey(worker.public_key),
+                    announcement.to_value(),
+                    time.time() + 60,
+                    signer=worker,
+                )
+            await admission.submit()
+            await trainer.start()  # admitted, and both stages have a worker
+            assert admission.valid and [len(b.workers) for b in trainer.balancers] == [1, 1]
+            await asyncio.to_thread(authz.cli, "ban", workers[1].node_id, "--kind", "node")
+            await wait_until_async(
+                lambda: [len(b.workers) for b in trainer.balancers] == [1, 0],
+                timeout_s=15,
+                what="the banned worker to leave the trainer's routing",
+            )
+            assert trainer.revoked == {workers[1].node_id} and admission.lost is None
+        finally:
+            await trainer.close()
+    finally:
+        await asyncio.to_thread(authz_stack.close)

@@ -1,6 +1,8 @@
 """The whole system: a local swarm (`tools/swarm.py up`) against the centralized reference.
 
 Every node is its own OS process on 127.0.0.1; the tests drive the same commands a user runs.
+The swarm is authorized, as a public run is: an authorizer process admits every node and
+places the workers (two per stage), and pins a worker that is added or restarted to its stage.
 A 3-stage version of examples/tiny.toml with 2 workers per stage and averaging on trains on
 shards made from the standard library's sources; its per-sample losses (the trainer's
 --loss-log) are compared by sample id with `tools/reference_train.py` on the same samples.
@@ -147,6 +149,19 @@ class Swarm:
         path = self.run_dir / "swarm.json"
         return json.loads(path.read_text())["members"] if path.exists() else []
 
+    def placed(self) -> list[list[str]]:
+        """The names of each stage's workers, in start order, once the authorizer placed every
+        worker `up` started and each serves."""
+        replicas = 2 * self.run.model.n_stages
+
+        def all_serving() -> bool:
+            workers = [m for m in self.members() if m["role"] == "worker"]
+            return len(workers) >= replicas and all(m["stage"] is not None and m["address"] for m in workers)
+
+        self.while_running(all_serving, what="every worker placed and serving")
+        workers = [m for m in self.members() if m["role"] == "worker"]
+        return [[m["name"] for m in workers if m["stage"] == s] for s in range(self.run.model.n_stages)]
+
     def while_running(self, predicate: Callable[[], bool], *, what: str) -> None:
         """Wait until ``predicate`` holds; fail if the run ends or its deadline passes first."""
         held = False
@@ -188,7 +203,7 @@ class Swarm:
         return []
 
     def worker_info(self, name: str) -> dict | None:
-        """``worker.info`` of the worker ``name`` (e.g. worker-1-2); None if it does not answer."""
+        """``worker.info`` of the worker ``name`` (e.g. worker-6); None if it does not answer."""
         address = next((m["address"] for m in self.members() if m["name"] == name), "")
         if not address:
             return None
@@ -263,6 +278,7 @@ def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, exp
 def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shards, swarm_factory):
     swarm = swarm_factory(config, shards, SAMPLES)
     stages = range(swarm.run.model.n_stages)
+    assert [len(names) for names in swarm.placed()] == [2] * len(stages)  # the authorizer spread them
     averaged: set[int] = set()
 
     def every_stage_averaged() -> bool:  # replicas (2 in a group) averaged their whole segment
@@ -303,11 +319,17 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shard
 @pytest.mark.timeout(RUN_S + KILL_S + ADD_S + MARGIN_S, func_only=True)
 def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, shards, swarm_factory):
     swarm = swarm_factory(config, shards, SAMPLES)
+    stage_1 = swarm.placed()[1]
+    status = swarm.command("status", timeout_s=KILL_S)
+    assert "  authorizer tcp://127.0.0.1:" in status, status
+    assert "(workers per stage 0: 2, 1: 2, 2: 2)" in status, status  # the authorizer's own count
     swarm.while_running(lambda: len(swarm.losses()) >= 200, what="200 samples")
-    assert "killed worker-1-1" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
+    assert f"killed {stage_1[-1]} (stage 1" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
     at_kill = len(swarm.losses())
     swarm.while_running(lambda: len(swarm.losses()) >= at_kill + 150, what="training on one stage-1 worker")
-    assert "added worker-1-2" in swarm.command("add-worker", "1", timeout_s=ADD_S)
+    added = swarm.command("add-worker", "1", timeout_s=ADD_S)  # pinned to stage 1 by the authorizer
+    newcomer = f"worker-{2 * swarm.run.model.n_stages}"
+    assert f"added {newcomer} on stage 1" in added, added
     # The arrival downloads the stage's state (it is more than stale_after_steps behind), is
     # invisible to the trainer through weight sync, then trains on samples and steps with the
     # stage: once it has run backwards, a later step of its own applies a gradient.
@@ -316,10 +338,10 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     visible_at: list[int] = []  # samples completed when it first became visible
 
     def newcomer_stepped_with_samples() -> bool:
-        info = swarm.worker_info("worker-1-2")
+        info = swarm.worker_info(newcomer)
         if info is None:
             return False
-        assert info["stage"] == 1
+        assert info["stage"] == 1 and info["credential"]["valid"], info
         if not phases or phases[-1] != info["phase"]:
             phases.append(info["phase"])
         if not visible_at and info["phase"] in ("optimizer_sync", "serving"):
@@ -362,13 +384,14 @@ def _running(pid: int) -> bool:
 @pytest.mark.timeout(RUN_S + 2 * KILL_S + ADD_S + MARGIN_S, func_only=True)
 def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shards, swarm_factory):
     swarm = swarm_factory(config, shards, SAMPLES)
-    directory = swarm.run_dir / "checkpoints" / "worker-1-1"
+    first, last = swarm.placed()[1]  # kill-worker takes the last started first
+    directory = swarm.run_dir / "checkpoints" / last
 
     def checkpointed() -> int:
         return max((m.step for m in find_manifests(directory)), default=0) if directory.exists() else 0
 
     swarm.while_running(lambda: checkpointed() >= 20, what="a checkpoint of stage 1 at step 20 or later")
-    for victim in ("worker-1-1", "worker-1-0"):  # every replica of stage 1
+    for victim in (last, first):  # every replica of stage 1
         assert f"killed {victim}" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
     saved = CheckpointStore(directory, run=swarm.run, stage=1, keep=swarm.run.checkpoint.keep).newest_valid()
     assert saved is not None and saved.step >= 20
@@ -376,16 +399,16 @@ def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shar
     # The dead replicas' progress reports, ahead of the checkpoint, outlive them in the DHT for
     # their TTL; the restarted worker counts only live members' reports, so it does not step
     # to catch up with them.
-    output = swarm.command("restart-worker", "worker-1-1", timeout_s=ADD_S)
+    output = swarm.command("restart-worker", last, timeout_s=ADD_S)  # pinned back to stage 1
     assert f"resumed from step {saved.step}" in output, output
-    info = swarm.worker_info("worker-1-1")
+    info = swarm.worker_info(last)
     assert info is not None and info["checkpoint"]["resumed_step"] == saved.step
     assert info["join"]["source"] == "checkpoint" and saved.step <= info["step"] < saved.step + 5, info
 
     def stepped_on_from_the_checkpoint() -> bool:
-        info = swarm.worker_info("worker-1-1")
-        last = None if info is None else info["last_step"]
-        return last is not None and last["applied"] and last["step"] > saved.step
+        info = swarm.worker_info(last)
+        step = None if info is None else info["last_step"]
+        return step is not None and step["applied"] and step["step"] > saved.step
 
     swarm.while_running(stepped_on_from_the_checkpoint, what="the resumed worker to train on")
     output = swarm.wait_done()

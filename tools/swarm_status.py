@@ -150,7 +150,10 @@ def describe_swarm(swarm) -> list[str]:
             count = "admitted: unknown (its database cannot be read)"
         else:
             stages = ", ".join(f"{s}: {n}" for s, n in admitted["workers_per_stage"].items()) or "none"
-            count = f"admitted {sum(admitted['by_role'].values())} nodes (workers per stage {stages})"
+            count = (
+                f"admitted {sum(admitted['by_role'].values())} nodes with a live credential"
+                f" (workers per stage {stages})"
+            )
         lines.append(f"  authorizer {swarm.authorizer_address or '-'}   {count}")
     else:
         lines.append("  admission  open: no authorizer")

@@ -15,7 +15,11 @@ AUTHORIZED = AdmissionConfig(mode="authorized", authorizer_public_key=KEY)
 def test_admission_settings_come_from_agora_variables_and_flags_win():
     environ = {"AGORA_AUTHORIZER": "10.0.0.1:7000", "AGORA_ACCOUNT": "alice", "AGORA_ACCOUNT_TOKEN": "s3cret"}
     settings = NodeSettings.resolve({"account": "bob"}, environ=environ)
-    assert (settings.authorizer, settings.account, settings.account_token) == ("10.0.0.1:7000", "bob", "s3cret")
+    assert (settings.authorizer, settings.account, settings.account_token) == (
+        "10.0.0.1:7000",
+        "bob",
+        "s3cret",
+    )
     assert "s3cret" not in repr(settings)  # logs and tracebacks do not show the token
 
 

@@ -170,6 +170,7 @@ class Authorizer:
             stage = await self._enqueue(opened, request_id, dialed.measured)
         finally:
             self._checking[account] -= 1
+            self.queue.checked(request_id)
         log.info(
             "join_queued", request_id=request_id, node=opened.node_id[:12], role=opened.role, stage=stage
         )

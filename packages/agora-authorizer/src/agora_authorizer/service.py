@@ -24,7 +24,7 @@ from agora_authorizer.bucket import TokenBucket
 from agora_authorizer.checks import SoftwarePolicy, check_hardware
 from agora_authorizer.dialback import dial_back
 from agora_authorizer.issuing import CredentialIssuer
-from agora_authorizer.placement import StageLoad, choose_stage, read_loads
+from agora_authorizer.placement import Placer
 from agora_authorizer.queue import AdmissionQueue
 from agora_authorizer.revocation_publisher import RevocationPublisher
 from agora_authorizer.status import status_report
@@ -41,8 +41,6 @@ from agora_core.rpc import Payload, Request
 from agora_core.run_node import RunNode
 
 log = get_logger("authorizer")
-LOADS_CACHE_S = 1.0  # placement re-reads the DHT at most this often
-PROMISE_S = 120.0  # a worker admitted this recently counts for its stage until it announces
 RECENT_ADMISSIONS = 4096  # admitted requests answered from memory
 
 
@@ -105,7 +103,7 @@ class Authorizer:
         self.queue = AdmissionQueue(self.bucket, self._admit)
         self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
         self._place_lock = asyncio.Lock()
-        self._loads: tuple[float, list[StageLoad]] | None = None
+        self.placer = Placer(run=run, dht=self.dht, store=store, db=self.db)
         self._checking: dict[str, int] = {}  # account -> requests being checked now
         self._waiting: dict[int, Waiting] = {}  # queued request id -> what its credential names
         self._admitted: OrderedDict[int, IssuedCredential] = OrderedDict()  # recent, for the answers
@@ -256,7 +254,7 @@ class Authorizer:
                     pin if pin is not None and pin < self.run.model.n_stages else None
                 )  # a stale pin: ignored
                 if stage is None:
-                    stage = choose_stage(await self._stage_loads())
+                    stage = await self.placer.least_provisioned()
             await self.db(
                 self.store.set_request,
                 request_id,
@@ -273,24 +271,9 @@ class Authorizer:
                 account=opened.account,
             )
             self.queue.add(request_id)
-            if stage is not None and self._loads is not None:
-                self._loads[1][stage].promised.add(opened.node_id)
+            if stage is not None:
+                self.placer.promise(stage, opened.node_id)
             return stage
-
-    async def _stage_loads(self) -> list[StageLoad]:
-        now = time.monotonic()
-        if self._loads is not None and now - self._loads[0] < LOADS_CACHE_S:
-            return self._loads[1]
-        loads = await read_loads(self.dht, self.run.name, list(self.run.model.stage_layers))
-        wall = time.time()
-        for credential in await self.db(self.store.live_credentials, now=wall):
-            if credential.stage is not None and credential.issued > wall - PROMISE_S:
-                loads[credential.stage].promised.add(credential.node_id)
-        for queued in await self.db(self.store.queued):
-            if queued.stage is not None:
-                loads[queued.stage].promised.add(queued.node_id)
-        self._loads = (now, loads)
-        return loads
 
     async def _admit(self, request_id: int) -> None:
         waiting = self._waiting.get(request_id)

@@ -10,13 +10,14 @@ dial-back: key proof, a 64 KiB bandwidth probe and the matmul challenge at the r
 Figures per backend:
 * ``admissions_per_s`` with the token bucket off: joiners / (first request sent -> last
   credential in hand); target >= 50 on SQLite on two cores. Baseline: ``admission.poll``
-  calls per second from the same crowd against the same authorizer (an RPC and a database
-  read: the floor any admission pays), so the ratio is the share of that rate the whole flow
-  keeps.
+  calls per second from the same crowd against the same authorizer, answered from memory
+  (the RPC round trips this crowd and machine sustain), so the ratio is the share of that
+  call rate the whole flow keeps, with its four round trips and three commits.
 * ``arrival_order`` with the bucket on (``--rate`` per minute): the fraction of joiner pairs
   admitted in the order their requests arrived (1.0: strictly first come, first served).
-* ``refresh_ms``: the median latency of a credential refresh, against the median of a poll
-  (ratio: what a refresh adds, signature checks and a committed new credential included).
+* ``refresh_ms``: the median latency of a credential refresh, one joiner at a time, against
+  the median of a poll (ratio: what a refresh costs over a bare round trip: signature checks,
+  the nonce and the new credential committed).
 
 The crowd runs in this process and the authorizer in another, on the same cores: the figures
 are the machine's, not the authorizer's alone.

@@ -41,7 +41,11 @@ from agora_core.config.unimplemented import NOT_IMPLEMENTED
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = "packages/agora-core/src/agora_core/config/run.py"
 # Where the config dataclasses are defined: their own methods may read their fields.
-CONFIG_MODULES = (RUN_PY, "packages/agora-core/src/agora_core/config/lifecycle.py")
+CONFIG_MODULES = (
+    RUN_PY,
+    "packages/agora-core/src/agora_core/config/lifecycle.py",
+    "packages/agora-core/src/agora_core/config/admission.py",
+)
 DISPLAY_ONLY = {"packages/agora-core/src/agora_core/cli.py": {"config_check"}}
 RUN_NAMES = {"run", "_run"}
 

@@ -145,7 +145,7 @@ def test_validation_and_the_config_check_summary_are_not_uses():
 def test_a_config_method_that_is_called_reads_the_fields_it_uses(reads):
     assert ("ClippingConfig", "threshold") in reads  # the worker's clip threshold
     assert any("via ClippingConfig.threshold" in where for where in reads[("ClippingConfig", "norm_budget")])
-    assert ("AdmissionConfig", "mode") not in reads  # only the config check shows it
+    assert any("via AdmissionConfig.authorized" in where for where in reads[("AdmissionConfig", "mode")])
 
 
 # --- refusing what is not implemented ---------------------------------------------------------------
@@ -155,18 +155,12 @@ def test_every_registered_key_exists_and_its_default_loads():
     for key in NOT_IMPLEMENTED:
         field_at(RunConfig, key)  # raises for a key that is not in the run config
     assert parse_run_config("") == RunConfig()
-    assert parse_run_config('[admission]\nmode = "open"\n[data]\nshuffle_seed = 0\n') == RunConfig()
+    assert parse_run_config('[data]\nshuffle_seed = 0\n') == RunConfig()
 
 
 @pytest.mark.parametrize(
     ("text", "key", "shown"),
     [
-        (
-            '[admission]\nmode = "authorized"\nauthorizer_public_key = "' + "ab" * 32 + '"',
-            "admission.mode",
-            "'authorized'",
-        ),
-        ('[admission]\nmode = "authorized"', "admission.mode", "'authorized'"),  # before the key's own check
         ("[data]\nshuffle_seed = 7", "data.shuffle_seed", "7"),
     ],
 )

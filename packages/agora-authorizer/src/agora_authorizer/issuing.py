@@ -73,23 +73,20 @@ class CredentialIssuer:
             sign=self._signer(node_id=node_id, public_key=public_key, role=role, stage=stage, issued=issued),
         )
 
-    async def admit(self, request_id: int) -> IssuedCredential:
+    async def admit(
+        self, request_id: int, *, node_id: str, public_key: bytes, role: str, stage: int | None, account: str
+    ) -> IssuedCredential:
         """Issue queued request ``request_id``'s credential and record it admitted."""
-        row = await self.db(self.store.request, request_id)
-        if row is None or row.status != "queued":
-            raise RuntimeError(f"request {request_id} is not queued")
         issued = await self.db(
             self._issue,
             request_id=request_id,
-            node_id=row.node_id,
-            public_key=row.public_key,
-            role=row.role,
-            stage=row.stage,
-            account=row.account,
+            node_id=node_id,
+            public_key=public_key,
+            role=role,
+            stage=stage,
+            account=account,
         )
-        log.info(
-            "admitted", request_id=request_id, node=row.node_id[:12], stage=row.stage, serial=issued.serial
-        )
+        log.info("admitted", request_id=request_id, node=node_id[:12], stage=stage, serial=issued.serial)
         return issued
 
     async def _refusal_for(self, value: Any, now: float) -> tuple[IssuedCredential | None, Refusal | None]:

@@ -11,8 +11,13 @@ lower stage. An operator's pin (``agora-authorizer pin``) overrides all of it.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from agora_authorizer.store import Store
+from agora_core.config import RunConfig
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError
 from agora_core.schema import WorkerAnnouncement, parse_entries, stage_workers_key
@@ -62,3 +67,50 @@ async def read_loads(dht: DhtNode, run_name: str, stage_layers: list[int]) -> li
                 load.announced[announcement.node_id] = announcement.throughput
         loads.append(load)
     return loads
+
+
+class Placer:
+    """Stage loads for placement: the DHT's announcements, cached for ``cache_s``, plus the
+    workers promised to each stage (queued, or admitted within ``promise_s`` and not yet
+    announced). The caller serializes placements, so each sees the ones before it."""
+
+    def __init__(
+        self,
+        *,
+        run: RunConfig,
+        dht: DhtNode,
+        store: Store,
+        db: Callable[..., Awaitable[Any]],
+        cache_s: float = 1.0,
+        promise_s: float = 120.0,
+    ):
+        self.run = run
+        self.dht = dht
+        self.store = store
+        self.db = db
+        self.cache_s = cache_s
+        self.promise_s = promise_s
+        self._loads: tuple[float, list[StageLoad]] | None = None
+
+    async def loads(self) -> list[StageLoad]:
+        now = time.monotonic()
+        if self._loads is not None and now - self._loads[0] < self.cache_s:
+            return self._loads[1]
+        loads = await read_loads(self.dht, self.run.name, list(self.run.model.stage_layers))
+        wall = time.time()
+        for credential in await self.db(self.store.live_credentials, now=wall):
+            if credential.stage is not None and credential.issued > wall - self.promise_s:
+                loads[credential.stage].promised.add(credential.node_id)
+        for queued in await self.db(self.store.queued):
+            if queued.stage is not None:
+                loads[queued.stage].promised.add(queued.node_id)
+        self._loads = (now, loads)
+        return loads
+
+    async def least_provisioned(self) -> int:
+        return choose_stage(await self.loads())
+
+    def promise(self, stage: int, node_id: str) -> None:
+        """A worker was just placed on ``stage``: count it until the next DHT read does."""
+        if self._loads is not None:
+            self._loads[1][stage].promised.add(node_id)

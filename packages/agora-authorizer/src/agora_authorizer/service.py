@@ -12,20 +12,24 @@ it answered; requests it was still checking are marked interrupted on restart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from agora_authorizer.bucket import TokenBucket
 from agora_authorizer.checks import SoftwarePolicy, check_hardware
 from agora_authorizer.dialback import dial_back
 from agora_authorizer.issuing import CredentialIssuer
-from agora_authorizer.placement import StageLoad, choose_stage, read_loads
+from agora_authorizer.placement import Placer
 from agora_authorizer.queue import AdmissionQueue
 from agora_authorizer.revocation_publisher import RevocationPublisher
 from agora_authorizer.status import status_report
-from agora_authorizer.store import Store
+from agora_authorizer.store import IssuedCredential, Store
+from agora_authorizer.store.rows import Standing
 from agora_core.admission import JoinRequest, Refusal, RefusalReason, open_join_request
 from agora_core.config import RunConfig
 from agora_core.contract import Method
@@ -37,8 +41,35 @@ from agora_core.rpc import Payload, Request
 from agora_core.run_node import RunNode
 
 log = get_logger("authorizer")
-LOADS_CACHE_S = 1.0  # placement re-reads the DHT at most this often
-PROMISE_S = 120.0  # a worker admitted this recently counts for its stage until it announces
+RECENT_ADMISSIONS = 4096  # admitted requests answered from memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class Waiting:
+    """A queued request: what its credential will name."""
+
+    node_id: str
+    public_key: bytes
+    role: str
+    stage: int | None
+    account: str
+
+
+def _request_fields(opened: JoinRequest) -> dict:
+    return {
+        "node_id": opened.node_id,
+        "public_key": opened.public_key,
+        "role": opened.role,
+        "address": opened.address,
+        "account": opened.account,
+        "hardware": opened.hardware.to_value(),
+        "software": opened.software,
+    }
+
+
+def _admitted_answer(request_id: int, issued: IssuedCredential) -> dict:
+    credential = {"body": issued.body, "signature": issued.signature}
+    return {"status": "admitted", "request_id": request_id, "stage": issued.stage, "credential": credential}
 
 
 class Authorizer:
@@ -72,8 +103,10 @@ class Authorizer:
         self.queue = AdmissionQueue(self.bucket, self._admit)
         self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
         self._place_lock = asyncio.Lock()
-        self._loads: tuple[float, list[StageLoad]] | None = None
+        self.placer = Placer(run=run, dht=self.dht, store=store, db=self.db)
         self._checking: dict[str, int] = {}  # account -> requests being checked now
+        self._waiting: dict[int, Waiting] = {}  # queued request id -> what its credential names
+        self._admitted: OrderedDict[int, IssuedCredential] = OrderedDict()  # recent, for the answers
         self._tasks: list[asyncio.Task] = []
         self.address: str | None = None
         self._m_requests = self.metrics.counter(
@@ -101,6 +134,10 @@ class Authorizer:
             log.warning("requests_interrupted", count=interrupted)
         queued = await self.db(self.store.queued)
         self.queue.load([r.id for r in queued])
+        for r in queued:
+            self._waiting[r.id] = Waiting(
+                node_id=r.node_id, public_key=r.public_key, role=r.role, stage=r.stage, account=r.account
+            )
         self._m_queue.set(len(self.queue))
         self.address = await self.node.start()
         loop = asyncio.get_running_loop()
@@ -143,16 +180,20 @@ class Authorizer:
         opened = open_join_request(value, run=self.run.name, now=now, max_age_s=self.config.request_max_age_s)
         if isinstance(opened, Refusal):
             return await self._refuse(await self.db(self.store.add_unopened_request, now=now), opened)
-        if not await self.db(self.store.remember_nonce, opened.nonce, now=now):
+        fields = _request_fields(opened)
+        request_id = await self.db(self.store.record_request, nonce=opened.nonce, now=now, **fields)
+        if request_id is None:
             refusal = Refusal(RefusalReason.REPLAYED, "this request was sent before: sign a fresh one")
-            return await self._refuse(await self._record(opened, now), refusal)
-        request_id = await self._record(opened, now)
+            return await self._refuse(await self.db(self.store.add_request, now=now, **fields), refusal)
         account = opened.account
         self._checking[account] = self._checking.get(account, 0) + 1
         self.queue.checking(request_id)
         try:
+            standing = await self.db(
+                self.store.standing, account, opened.account_token, opened.node_id, now=now
+            )
             refusal = (
-                await self._accountability(opened, now)
+                self._accountability(opened, standing)
                 or check_hardware(self.config, opened.role, opened.hardware)
                 or self.software.check(opened)
             )
@@ -167,9 +208,10 @@ class Authorizer:
             )
             if dialed.refusal is not None:
                 return await self._refuse(request_id, dialed.refusal, dialed.measured)
-            stage = await self._enqueue(opened, request_id, dialed.measured)
+            stage = await self._enqueue(opened, request_id, dialed.measured, pin=standing.pin)
         finally:
             self._checking[account] -= 1
+            self.queue.checked(request_id)
         log.info(
             "join_queued", request_id=request_id, node=opened.node_id[:12], role=opened.role, stage=stage
         )
@@ -177,37 +219,22 @@ class Authorizer:
         await self.queue.release_ready()  # a token waiting: admitted in this very answer
         return Payload(await self._status_of(request_id))
 
-    async def _record(self, opened: JoinRequest, now: float) -> int:
-        return await self.db(
-            self.store.add_request,
-            node_id=opened.node_id,
-            public_key=opened.public_key,
-            role=opened.role,
-            address=opened.address,
-            account=opened.account,
-            hardware=opened.hardware.to_value(),
-            software=opened.software,
-            now=now,
-        )
-
-    async def _accountability(self, opened: JoinRequest, now: float) -> Refusal | None:
-        account = await self.db(self.store.check_account, opened.account, opened.account_token)
-        if account is None:
+    def _accountability(self, opened: JoinRequest, standing: Standing) -> Refusal | None:
+        if standing.account is None:
             return Refusal(
                 RefusalReason.UNKNOWN_ACCOUNT,
                 f"no account {opened.account!r} with that token (the operator creates accounts: "
                 "agora-authorizer account add)",
             )
-        if await self.db(self.store.is_banned, "account", opened.account):
+        if standing.account_banned:
             return Refusal(
                 RefusalReason.BANNED_ACCOUNT, f"account {opened.account!r} is banned from this run"
             )
-        if await self.db(self.store.is_banned, "node", opened.node_id):
+        if standing.node_banned:
             return Refusal(RefusalReason.BANNED_NODE, f"node {opened.node_id} is banned from this run")
-        limit = account.max_nodes or self.config.max_nodes_per_account
-        live = await self.db(self.store.live_nodes_of_account, opened.account, now=now)
-        queued = sum(1 for r in await self.db(self.store.queued) if r.account == opened.account)
-        in_flight = live + queued + self._checking.get(opened.account, 1) - 1
+        limit = standing.account.max_nodes or self.config.max_nodes_per_account
+        # its live and queued nodes, and the account's other requests being checked right now
+        in_flight = standing.live_nodes + standing.queued_nodes + self._checking.get(opened.account, 1) - 1
         if in_flight >= limit:
             return Refusal(
                 RefusalReason.ACCOUNT_LIMIT,
@@ -215,17 +242,19 @@ class Authorizer:
             )
         return None
 
-    async def _enqueue(self, opened: JoinRequest, request_id: int, checks: dict) -> int | None:
+    async def _enqueue(
+        self, opened: JoinRequest, request_id: int, checks: dict, *, pin: int | None
+    ) -> int | None:
         """Place a worker and queue the request, under one lock: concurrent joiners see each
         other's placements."""
         async with self._place_lock:
             stage = None
             if opened.role == "worker":
-                stage = await self.db(self.store.pin_of, opened.node_id)
-                if stage is not None and stage >= self.run.model.n_stages:
-                    stage = None  # a stale pin from another model shape: place normally
+                stage = (
+                    pin if pin is not None and pin < self.run.model.n_stages else None
+                )  # a stale pin: ignored
                 if stage is None:
-                    stage = choose_stage(await self._stage_loads())
+                    stage = await self.placer.least_provisioned()
             await self.db(
                 self.store.set_request,
                 request_id,
@@ -234,58 +263,82 @@ class Authorizer:
                 checks=checks,
                 now=time.time(),
             )
+            self._waiting[request_id] = Waiting(
+                node_id=opened.node_id,
+                public_key=opened.public_key,
+                role=opened.role,
+                stage=stage,
+                account=opened.account,
+            )
             self.queue.add(request_id)
-            if stage is not None and self._loads is not None:
-                self._loads[1][stage].promised.add(opened.node_id)
+            if stage is not None:
+                self.placer.promise(stage, opened.node_id)
             return stage
 
-    async def _stage_loads(self) -> list[StageLoad]:
-        now = time.monotonic()
-        if self._loads is not None and now - self._loads[0] < LOADS_CACHE_S:
-            return self._loads[1]
-        loads = await read_loads(self.dht, self.run.name, list(self.run.model.stage_layers))
-        wall = time.time()
-        for credential in await self.db(self.store.live_credentials, now=wall):
-            if credential.stage is not None and credential.issued > wall - PROMISE_S:
-                loads[credential.stage].promised.add(credential.node_id)
-        for queued in await self.db(self.store.queued):
-            if queued.stage is not None:
-                loads[queued.stage].promised.add(queued.node_id)
-        self._loads = (now, loads)
-        return loads
-
     async def _admit(self, request_id: int) -> None:
-        await self.issuer.admit(request_id)
+        waiting = self._waiting.get(request_id)
+        if waiting is None:  # queued before a restart
+            row = await self.db(self.store.request, request_id)
+            waiting = Waiting(
+                node_id=row.node_id,
+                public_key=row.public_key,
+                role=row.role,
+                stage=row.stage,
+                account=row.account,
+            )
+        issued = await self.issuer.admit(request_id, **dataclasses.asdict(waiting))
+        self._waiting.pop(request_id, None)
+        self._admitted[request_id] = issued
+        while len(self._admitted) > RECENT_ADMISSIONS:
+            self._admitted.popitem(last=False)
         self._m_requests.labels(outcome="admitted", reason="").inc()
         self._m_queue.set(len(self.queue) - 1)
 
     # --- poll and status ---------------------------------------------------------------------
 
+    def _queued_answer(self, request_id: int, stage: int | None) -> dict:
+        position = self.queue.position(request_id) or 1
+        eta = self.queue.eta_s(position)
+        return {
+            "status": "queued",
+            "request_id": request_id,
+            "stage": stage,
+            "position": position,
+            "eta_s": eta,
+            "poll_s": min(max(0.2, eta / 4), 10.0),
+        }
+
     async def _status_of(self, request_id: int) -> dict:
+        """Where request ``request_id`` stands: from memory while it waits or was just
+        admitted, else from the database."""
+        issued = self._admitted.get(request_id)
+        if issued is not None:
+            return _admitted_answer(request_id, issued)
+        if request_id in self._waiting:
+            return self._queued_answer(request_id, self._waiting[request_id].stage)
         row = await self.db(self.store.request, request_id)
         if row is None:
             raise BadRequest(f"no admission request {request_id}")
-        answer: dict[str, Any] = {"status": row.status, "request_id": row.id, "stage": row.stage}
         if row.status == "queued":
-            position = self.queue.position(row.id) or 1
-            eta = self.queue.eta_s(position)
-            answer |= {"position": position, "eta_s": eta, "poll_s": min(max(0.2, eta / 4), 10.0)}
-        elif row.status == "admitted":
-            credential = await self.db(self.store.latest_credential_of, row.node_id)
-            answer["credential"] = {"body": credential.body, "signature": credential.signature}
-        elif row.status == "refused":
-            answer |= {"reason": row.reason, "detail": row.detail}
-        else:  # still being checked by another call
-            answer |= {"status": "queued", "position": len(self.queue) + 1, "poll_s": 1.0}
-        return answer
+            return self._queued_answer(row.id, row.stage)
+        if row.status == "admitted":
+            return _admitted_answer(row.id, await self.db(self.store.latest_credential_of, row.node_id))
+        if row.status == "refused":
+            return {"status": "refused", "request_id": row.id, "reason": row.reason, "detail": row.detail}
+        # still being checked by another call
+        return {"status": "queued", "request_id": row.id, "position": len(self.queue) + 1, "poll_s": 1.0}
 
     async def _on_poll(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
         request_id, node_id = meta.get("request_id"), meta.get("node_id")
         if not isinstance(request_id, int) or not isinstance(node_id, str):
             raise BadRequest("admission.poll needs {'request_id': int, 'node_id': str}")
-        row = await self.db(self.store.request, request_id)
-        if row is None or row.node_id != node_id:
+        known = self._waiting.get(request_id) or self._admitted.get(request_id)
+        owner = known.node_id if known is not None else None
+        if owner is None:
+            row = await self.db(self.store.request, request_id)
+            owner = None if row is None else row.node_id
+        if owner != node_id:
             raise BadRequest(f"node {node_id[:12]} has no admission request {request_id}")
         return Payload(await self._status_of(request_id))
 

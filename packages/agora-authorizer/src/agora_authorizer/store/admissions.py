@@ -66,6 +66,19 @@ class Admissions:
         with self._db.transaction(write=True) as connection:
             return connection.execute(insert(schema.requests).values(row)).inserted_primary_key[0]
 
+    def record_request(self, *, nonce: bytes, now: float, **fields) -> int | None:
+        """:meth:`add_request` and the request's nonce in one transaction (one commit per
+        arrival); None, and nothing recorded, when the nonce was seen before (a replay)."""
+        check_text("a node id", fields.get("node_id"))
+        check_choice("a role", fields.get("role"), ROLES)
+        row = {**fields, "status": "checking", "received": now}
+        try:
+            with self._db.transaction(write=True) as connection:
+                connection.execute(insert(schema.nonces).values(nonce=nonce, seen=now))
+                return connection.execute(insert(schema.requests).values(row)).inserted_primary_key[0]
+        except sa.exc.IntegrityError:
+            return None
+
     def add_unopened_request(self, *, now: float) -> int:
         """Record a request that could not even be opened (malformed, or not signed by the key
         it names): its fields are not to be trusted, so none are kept. Returns its id; the

@@ -24,6 +24,18 @@ class Account:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Standing:
+    """What the accountability check reads about a joiner (:meth:`Store.standing`)."""
+
+    account: Account | None  # None: no such account, or the token is wrong
+    account_banned: bool
+    node_banned: bool
+    live_nodes: int  # the account's nodes holding a live credential
+    queued_nodes: int  # the account's requests waiting in the queue
+    pin: int | None  # the stage an operator pinned the node to
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Ban:
     kind: str  # "node" (target is a node id) or "account" (target is an account name)
     target: str

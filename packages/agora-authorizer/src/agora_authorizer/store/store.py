@@ -12,12 +12,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from sqlalchemy import delete, exc, insert, select
+from sqlalchemy import delete, exc, func, insert, select
 
 from agora_authorizer.store import schema
 from agora_authorizer.store.admissions import Admissions
 from agora_authorizer.store.database import BUSY_TIMEOUT_S, AlreadyExists, Database
-from agora_authorizer.store.rows import Account, Ban, check_choice, check_stage, check_text, columns_of
+from agora_authorizer.store.rows import (
+    Account,
+    Ban,
+    Standing,
+    check_choice,
+    check_stage,
+    check_text,
+    columns_of,
+)
 
 MAX_NONCE_BYTES = 64  # join requests use 16; anything longer is not a nonce
 _NO_ACCOUNT_DIGEST = "0" * 64  # compared against for unknown names, so they take as long
@@ -25,6 +33,15 @@ _NO_ACCOUNT_DIGEST = "0" * 64  # compared against for unknown names, so they tak
 
 def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _account_if(row, token: str) -> Account | None:
+    """The account of ``row`` (an accounts row with its token digest) if ``token`` is its
+    token; the digest is compared even when there is no row."""
+    expected = row.token_sha256 if row is not None else _NO_ACCOUNT_DIGEST
+    if not hmac.compare_digest(_token_hash(token), expected) or row is None:
+        return None
+    return Account(name=row.name, max_nodes=row.max_nodes, created=row.created)
 
 
 class Store(Admissions):
@@ -77,11 +94,47 @@ class Store(Admissions):
         table = schema.accounts
         with self._db.transaction() as connection:
             query = select(table.c.token_sha256, *columns_of(table, Account)).where(table.c.name == name)
+            return _account_if(connection.execute(query).first(), token)
+
+    def standing(self, name: str, token: str, node_id: str, *, now: float) -> Standing:
+        """Everything the accountability check and placement read about a joiner, in one
+        read transaction: its account (None: unknown or wrong token), bans, the account's
+        nodes in the run and in the queue, and the node's pin."""
+        accounts, bans, pins = schema.accounts, schema.bans, schema.pins
+        requests, credentials = schema.requests, schema.credentials
+        with self._db.transaction() as connection:
+            query = select(accounts.c.token_sha256, *columns_of(accounts, Account)).where(
+                accounts.c.name == name
+            )
             row = connection.execute(query).first()
-        expected = row.token_sha256 if row is not None else _NO_ACCOUNT_DIGEST
-        if not hmac.compare_digest(_token_hash(token), expected) or row is None:
-            return None
-        return Account(name=row.name, max_nodes=row.max_nodes, created=row.created)
+            banned = {
+                (r.kind, r.target)
+                for r in connection.execute(
+                    select(bans.c.kind, bans.c.target).where(
+                        ((bans.c.kind == "account") & (bans.c.target == name))
+                        | ((bans.c.kind == "node") & (bans.c.target == node_id))
+                    )
+                )
+            }
+            live = connection.scalar(
+                select(func.count(func.distinct(credentials.c.node_id))).where(
+                    credentials.c.account == name,
+                    credentials.c.expires > now,
+                    credentials.c.revoked.is_(None),
+                )
+            )
+            queued = connection.scalar(
+                select(func.count()).where(requests.c.account == name, requests.c.status == "queued")
+            )
+            pin = connection.scalar(select(pins.c.stage).where(pins.c.node_id == node_id))
+        return Standing(
+            account=_account_if(row, token),
+            account_banned=("account", name) in banned,
+            node_banned=("node", node_id) in banned,
+            live_nodes=live or 0,
+            queued_nodes=queued or 0,
+            pin=pin,
+        )
 
     def accounts(self) -> list[Account]:
         table = schema.accounts

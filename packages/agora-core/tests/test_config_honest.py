@@ -155,7 +155,7 @@ def test_every_registered_key_exists_and_its_default_loads():
     for key in NOT_IMPLEMENTED:
         field_at(RunConfig, key)  # raises for a key that is not in the run config
     assert parse_run_config("") == RunConfig()
-    assert parse_run_config('[data]\nshuffle_seed = 0\n') == RunConfig()
+    assert parse_run_config("[data]\nshuffle_seed = 0\n") == RunConfig()
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ class CredentialIssuer:
         return sign
 
     def _issue(
-        self, *, request_id: int | None, node_id, public_key, role, stage, account
+        self, *, request_id: int | None, node_id, public_key, role, stage, account, checks=None
     ) -> IssuedCredential:
         """Runs on the database thread: one transaction."""
         issued = time.time()
@@ -71,12 +71,22 @@ class CredentialIssuer:
             issued=issued,
             expires=issued + self.lifetime_s,
             sign=self._signer(node_id=node_id, public_key=public_key, role=role, stage=stage, issued=issued),
+            checks=checks,
         )
 
     async def admit(
-        self, request_id: int, *, node_id: str, public_key: bytes, role: str, stage: int | None, account: str
+        self,
+        request_id: int,
+        *,
+        node_id: str,
+        public_key: bytes,
+        role: str,
+        stage: int | None,
+        account: str,
+        checks: dict | None = None,
     ) -> IssuedCredential:
-        """Issue queued request ``request_id``'s credential and record it admitted."""
+        """Issue request ``request_id``'s credential and record it admitted (with its
+        ``checks`` when it never was queued)."""
         issued = await self.db(
             self._issue,
             request_id=request_id,
@@ -85,6 +95,7 @@ class CredentialIssuer:
             role=role,
             stage=stage,
             account=account,
+            checks=checks,
         )
         log.info("admitted", request_id=request_id, node=node_id[:12], stage=stage, serial=issued.serial)
         return issued

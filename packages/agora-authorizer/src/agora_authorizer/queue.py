@@ -69,6 +69,17 @@ class AdmissionQueue:
             return 0.0
         return self.bucket.wait_s(float(position))
 
+    async def admit_at_once(self, request_id: int) -> bool:
+        """Admit a request whose checks just passed without queueing it, if it would be
+        released at once anyway: nothing queued, no earlier request being checked, a token
+        in the bucket. False (nothing done) otherwise: then it is queued."""
+        async with self._lock:
+            earlier = any(rid < request_id for rid in self._checking)
+            if self._ids or earlier or not self.bucket.take():
+                return False
+            await self.admit(request_id)
+            return True
+
     async def release_ready(self) -> int:
         """Admit from the head while the bucket has tokens; how many were admitted."""
         admitted = 0

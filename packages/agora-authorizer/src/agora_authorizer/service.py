@@ -53,6 +53,7 @@ class Waiting:
     role: str
     stage: int | None
     account: str
+    checks: dict | None = None  # its measurements, stored when it is admitted
 
 
 def _request_fields(opened: JoinRequest) -> dict:
@@ -112,7 +113,8 @@ class Authorizer:
         self._m_requests = self.metrics.counter(
             "agora_authorizer_requests_total", "Join requests by outcome and reason.", ["outcome", "reason"]
         )
-        self._m_queue = self.metrics.gauge("agora_authorizer_queue_length", "Checked requests waiting.")
+        queue_length = self.metrics.gauge("agora_authorizer_queue_length", "Checked requests waiting.")
+        queue_length.set_function(lambda: len(self.queue))  # read when scraped
         for method, handler in (
             (Method.ADMISSION_JOIN, self._on_join),
             (Method.ADMISSION_POLL, self._on_poll),
@@ -138,7 +140,6 @@ class Authorizer:
             self._waiting[r.id] = Waiting(
                 node_id=r.node_id, public_key=r.public_key, role=r.role, stage=r.stage, account=r.account
             )
-        self._m_queue.set(len(self.queue))
         self.address = await self.node.start()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -215,7 +216,6 @@ class Authorizer:
         log.info(
             "join_queued", request_id=request_id, node=opened.node_id[:12], role=opened.role, stage=stage
         )
-        self._m_queue.set(len(self.queue))
         await self.queue.release_ready()  # a token waiting: admitted in this very answer
         return Payload(await self._status_of(request_id))
 
@@ -245,8 +245,9 @@ class Authorizer:
     async def _enqueue(
         self, opened: JoinRequest, request_id: int, checks: dict, *, pin: int | None
     ) -> int | None:
-        """Place a worker and queue the request, under one lock: concurrent joiners see each
-        other's placements."""
+        """Place a worker, then admit the request at once when nothing is ahead of it and the
+        bucket has a token (one commit), else queue it (its place committed first). Under one
+        lock: concurrent joiners see each other's placements."""
         async with self._place_lock:
             stage = None
             if opened.role == "worker":
@@ -255,22 +256,28 @@ class Authorizer:
                 )  # a stale pin: ignored
                 if stage is None:
                     stage = await self.placer.least_provisioned()
-            await self.db(
-                self.store.set_request,
-                request_id,
-                status="queued",
-                stage=stage,
-                checks=checks,
-                now=time.time(),
-            )
             self._waiting[request_id] = Waiting(
                 node_id=opened.node_id,
                 public_key=opened.public_key,
                 role=opened.role,
                 stage=stage,
                 account=opened.account,
+                checks=checks,
             )
-            self.queue.add(request_id)
+            try:
+                if not await self.queue.admit_at_once(request_id):
+                    await self.db(
+                        self.store.set_request,
+                        request_id,
+                        status="queued",
+                        stage=stage,
+                        checks=checks,
+                        now=time.time(),
+                    )
+                    self.queue.add(request_id)
+            except BaseException:
+                self._waiting.pop(request_id, None)
+                raise
             if stage is not None:
                 self.placer.promise(stage, opened.node_id)
             return stage
@@ -292,7 +299,6 @@ class Authorizer:
         while len(self._admitted) > RECENT_ADMISSIONS:
             self._admitted.popitem(last=False)
         self._m_requests.labels(outcome="admitted", reason="").inc()
-        self._m_queue.set(len(self.queue) - 1)
 
     # --- poll and status ---------------------------------------------------------------------
 

@@ -201,12 +201,15 @@ class Admissions:
         issued: float,
         expires: float,
         sign: Callable[[int], tuple[bytes, bytes]],
+        checks: dict | None = None,
     ) -> IssuedCredential:
         """Assign the next serial, have ``sign(serial)`` return (body, signature), store them
         and, given ``request_id``, admit that request (decided at ``issued``, on ``stage``), all
         in one transaction: the admission and its credential commit together or not at all.
         ``sign`` runs while the transaction holds the write lock: it must be quick and must
-        not use the store. The request must be of ``node_id`` and still checking or queued."""
+        not use the store. The request must be of ``node_id`` and still checking or queued;
+        ``checks`` (its measurements) are stored with it when given (an admission straight
+        from the checks, never queued)."""
         check_text("a node id", node_id)
         check_choice("a role", role, ROLES)
         check_stage(stage)
@@ -232,7 +235,8 @@ class Admissions:
                     requests.c.node_id == node_id,
                     requests.c.status.in_(_PENDING),
                 )
-                admitted = admit.values(status="admitted", decided=issued, stage=stage)
+                values = {"status": "admitted", "decided": issued, "stage": stage}
+                admitted = admit.values(values if checks is None else {**values, "checks": checks})
                 if connection.execute(admitted).rowcount == 0:
                     raise NotFound(f"no checking or queued admission request {request_id} of node {node_id}")
             placeholder = {"body": b"", "signature": b""}  # NOT NULL: replaced before commit

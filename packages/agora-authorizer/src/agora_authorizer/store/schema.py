@@ -134,3 +134,5 @@ credentials = Table(
 
 # latest_credential_of, live_credentials and revoke_node look a node up, the live ones by expiry
 Index("credentials_live", credentials.c.node_id, credentials.c.expires)
+# every join counts its account's queued requests (Store.standing)
+Index("requests_account", requests.c.account, requests.c.status)

@@ -102,38 +102,36 @@ class Store(Admissions):
         nodes in the run and in the queue, and the node's pin."""
         accounts, bans, pins = schema.accounts, schema.bans, schema.pins
         requests, credentials = schema.requests, schema.credentials
+
+        def banned(kind: str, target: str):
+            return select(bans.c.kind).where(bans.c.kind == kind, bans.c.target == target).exists()
+
+        live = select(func.count(func.distinct(credentials.c.node_id))).where(
+            credentials.c.account == name, credentials.c.expires > now, credentials.c.revoked.is_(None)
+        )
+        queued = select(func.count()).where(requests.c.account == name, requests.c.status == "queued")
+        pin = select(pins.c.stage).where(pins.c.node_id == node_id)
+        account = select(accounts.c.token_sha256, *columns_of(accounts, Account)).where(
+            accounts.c.name == name
+        )
+        # one statement: this runs for every join, and each statement costs a round through the driver
+        query = select(
+            banned("account", name).label("account_banned"),
+            banned("node", node_id).label("node_banned"),
+            live.scalar_subquery().label("live"),
+            queued.scalar_subquery().label("queued"),
+            pin.scalar_subquery().label("pin"),
+        )
         with self._db.transaction() as connection:
-            query = select(accounts.c.token_sha256, *columns_of(accounts, Account)).where(
-                accounts.c.name == name
-            )
-            row = connection.execute(query).first()
-            banned = {
-                (r.kind, r.target)
-                for r in connection.execute(
-                    select(bans.c.kind, bans.c.target).where(
-                        ((bans.c.kind == "account") & (bans.c.target == name))
-                        | ((bans.c.kind == "node") & (bans.c.target == node_id))
-                    )
-                )
-            }
-            live = connection.scalar(
-                select(func.count(func.distinct(credentials.c.node_id))).where(
-                    credentials.c.account == name,
-                    credentials.c.expires > now,
-                    credentials.c.revoked.is_(None),
-                )
-            )
-            queued = connection.scalar(
-                select(func.count()).where(requests.c.account == name, requests.c.status == "queued")
-            )
-            pin = connection.scalar(select(pins.c.stage).where(pins.c.node_id == node_id))
+            row = connection.execute(account).first()
+            found = connection.execute(query).one()
         return Standing(
             account=_account_if(row, token),
-            account_banned=("account", name) in banned,
-            node_banned=("node", node_id) in banned,
-            live_nodes=live or 0,
-            queued_nodes=queued or 0,
-            pin=pin,
+            account_banned=bool(found.account_banned),
+            node_banned=bool(found.node_banned),
+            live_nodes=found.live or 0,
+            queued_nodes=found.queued or 0,
+            pin=found.pin,
         )
 
     def accounts(self) -> list[Account]:

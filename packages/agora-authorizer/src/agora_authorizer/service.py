@@ -245,42 +245,39 @@ class Authorizer:
     async def _enqueue(
         self, opened: JoinRequest, request_id: int, checks: dict, *, pin: int | None
     ) -> int | None:
-        """Place a worker, then admit the request at once when nothing is ahead of it and the
-        bucket has a token (one commit), else queue it (its place committed first). Under one
-        lock: concurrent joiners see each other's placements."""
-        async with self._place_lock:
-            stage = None
-            if opened.role == "worker":
-                stage = (
-                    pin if pin is not None and pin < self.run.model.n_stages else None
-                )  # a stale pin: ignored
-                if stage is None:
+        """Place a worker (under a lock, so concurrent joiners see each other's placements),
+        then admit the request at once when nothing is ahead of it and the bucket has a
+        token (one commit), else queue it (its place committed first)."""
+        stage = None
+        if opened.role == "worker":
+            stage = pin if pin is not None and pin < self.run.model.n_stages else None  # a stale pin: ignored
+            if stage is None:
+                async with self._place_lock:
                     stage = await self.placer.least_provisioned()
-            self._waiting[request_id] = Waiting(
-                node_id=opened.node_id,
-                public_key=opened.public_key,
-                role=opened.role,
-                stage=stage,
-                account=opened.account,
-                checks=checks,
-            )
-            try:
-                if not await self.queue.admit_at_once(request_id):
-                    await self.db(
-                        self.store.set_request,
-                        request_id,
-                        status="queued",
-                        stage=stage,
-                        checks=checks,
-                        now=time.time(),
-                    )
-                    self.queue.add(request_id)
-            except BaseException:
-                self._waiting.pop(request_id, None)
-                raise
-            if stage is not None:
-                self.placer.promise(stage, opened.node_id)
-            return stage
+                    self.placer.promise(stage, opened.node_id)
+        self._waiting[request_id] = Waiting(
+            node_id=opened.node_id,
+            public_key=opened.public_key,
+            role=opened.role,
+            stage=stage,
+            account=opened.account,
+            checks=checks,
+        )
+        try:
+            if not await self.queue.admit_at_once(request_id):
+                await self.db(
+                    self.store.set_request,
+                    request_id,
+                    status="queued",
+                    stage=stage,
+                    checks=checks,
+                    now=time.time(),
+                )
+                self.queue.add(request_id)
+        except BaseException:
+            self._waiting.pop(request_id, None)
+            raise
+        return stage
 
     async def _admit(self, request_id: int) -> None:
         waiting = self._waiting.get(request_id)

@@ -37,7 +37,6 @@ from pathlib import Path
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
-from agora_core.admission.keeper import CredentialKeeper
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 
@@ -76,15 +75,7 @@ async def refresh_latency(
 ) -> tuple[float, float]:
     refresh_ms, poll_ms = [], []
     for joiner, status in list(zip(joiners, statuses, strict=True))[:samples]:
-        keeper = CredentialKeeper(
-            client=joiner.client,
-            authorizer=authz.address,
-            key=joiner.key,
-            authorizer_key=authz.key.public_key,
-            run=authz.run.name,
-            credential=status.credential,
-            on_lost=lambda reason, detail: None,
-        )
+        keeper = joiner.keeper(status.credential)
         started = time.perf_counter()
         await joiner.admission.poll()
         poll_ms.append((time.perf_counter() - started) * 1e3)

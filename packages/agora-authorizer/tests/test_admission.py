@@ -22,7 +22,6 @@ from agora_core.admission import (
 )
 from agora_core.admission.join_client import AdmissionRefused
 from agora_core.admission.join_request import JOIN_CONTEXT
-from agora_core.admission.keeper import CredentialKeeper
 from agora_core.admission.revocations import Revocations, revocations_key
 from agora_core.admission.signed import sign_map
 from agora_core.contract import Method
@@ -103,15 +102,7 @@ async def test_an_admitted_worker_holds_a_credential_any_node_can_check(authz, a
         report = status_json(authz)
         assert joiner.key.node_id in [n["node_id"] for n in report["nodes"]]
         # a refresh gives a new credential for the same stage
-        keeper = CredentialKeeper(
-            client=joiner.client,
-            authorizer=authz.address,
-            key=joiner.key,
-            authorizer_key=authz.key.public_key,
-            run=authz.run.name,
-            credential=status.credential,
-            on_lost=lambda reason, detail: None,
-        )
+        keeper = joiner.keeper(status.credential)
         fresh = await keeper.refresh()
         assert fresh.credential.serial > credential.serial and fresh.credential.stage == credential.stage
     finally:
@@ -244,15 +235,7 @@ async def test_a_banned_node_loses_its_refresh_and_is_published_as_revoked(authz
     try:
         assert status.status == "admitted"
         authz.cli("ban", joiner.key.node_id, "--reason", "test ban")
-        keeper = CredentialKeeper(
-            client=joiner.client,
-            authorizer=authz.address,
-            key=joiner.key,
-            authorizer_key=authz.key.public_key,
-            run=authz.run.name,
-            credential=status.credential,
-            on_lost=lambda reason, detail: None,
-        )
+        keeper = joiner.keeper(status.credential)
         with pytest.raises(AdmissionRefused) as refused:
             await keeper.refresh()
         assert refused.value.reason == "banned_node"

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from agora_core.admission import HardwareReport, JoinRequest
 from agora_core.admission.answerer import DialBackAnswerer
+from agora_core.admission.credential import SignedCredential
 from agora_core.admission.join_client import Admission, JoinStatus
+from agora_core.admission.keeper import CredentialKeeper
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.identity import NodeKey
@@ -176,6 +178,18 @@ class TestJoiner:
             "software": _core_software(),
         }
         return JoinRequest(**{**fields, **overrides})
+
+    def keeper(self, credential: SignedCredential) -> CredentialKeeper:
+        """A keeper of ``credential`` (its refresh() asks the authorizer for the next one)."""
+        return CredentialKeeper(
+            client=self.client,
+            authorizer=self.authorizer,
+            key=self.key,
+            authorizer_key=self.admission.authorizer_key,
+            run=self.run.name,
+            credential=credential,
+            on_lost=lambda reason, detail: None,
+        )
 
     async def join(self, account: str, token: str, **overrides) -> JoinStatus:
         return await self.admission.submit(self.request(account, token, **overrides))

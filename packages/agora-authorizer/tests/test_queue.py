@@ -9,6 +9,7 @@ import json
 import pytest
 
 from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
+from agora_core.admission.join_client import AdmissionRefused
 from agora_core.identity import NodeKey
 
 pytestmark = pytest.mark.slow
@@ -96,3 +97,26 @@ async def test_a_sigkilled_authorizer_loses_nothing_and_resumes_the_queue_in_ord
     by_arrival = sorted(final, key=lambda s: s.request_id)
     assert [issued_at(s) for s in by_arrival] == sorted(issued_at(s) for s in by_arrival)
     assert report["requests"].get("admitted") == count and not report["queue"]
+
+
+async def test_a_node_banned_while_it_waits_in_the_queue_is_refused_not_admitted(tmp_path):
+    run = small_run(admissions_per_minute=6.0, admission_burst=1)  # one every 10 s: the second waits
+    with authorizer_process(tmp_path / "authz", run) as authz:
+        token = authz.add_account("waiting", max_nodes=4)
+        joiners = await start_joiners(authz, 2)
+        try:
+            first = await joiners[0].join("waiting", token)
+            second = await joiners[1].join("waiting", token)
+            assert first.status == "admitted" and second.status == "queued", (first, second)
+            authz.cli("ban", joiners[1].key.node_id)
+            with pytest.raises(AdmissionRefused) as refused:
+                await joiners[1].admission.wait(timeout_s=60)
+            assert refused.value.reason == "banned_node"
+            # a node joining again under its account does not count against itself
+            again = await joiners[0].join("waiting", token)
+            assert again.status in ("queued", "admitted") and again.reason == ""
+        finally:
+            await close_all(joiners)
+        report = json.loads(authz.cli("status", "--json").stdout)
+        assert report["refusals"].get("banned_node") == 1
+        assert joiners[1].key.node_id not in [n["node_id"] for n in report["nodes"]]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from agora_authorizer.store import IssuedCredential, Store
+from agora_authorizer.store import Banned, IssuedCredential, Store
 from agora_core.admission import (
     Credential,
     Refusal,
@@ -104,7 +104,8 @@ class CredentialIssuer:
         message = SignedMessage.from_value(value)
         fields = decode_map(message) if message is not None else None
         serial = fields.get("serial") if fields is not None else None
-        held = await self.db(self.store.credential, serial) if isinstance(serial, int) else None
+        valid = isinstance(serial, int) and 0 < serial < 2**63  # beyond: no database holds it
+        held = await self.db(self.store.credential, serial) if valid else None
         opened = open_refresh_request(
             value,
             public_key_of=lambda s: held.public_key if held is not None and held.serial == s else None,
@@ -141,15 +142,21 @@ class CredentialIssuer:
             )
             return Payload(refusal.to_value())
         assert held is not None
-        fresh = await self.db(
-            self._issue,
-            request_id=None,
-            node_id=held.node_id,
-            public_key=held.public_key,
-            role=held.role,
-            stage=held.stage,
-            account=held.account,
-        )
+        try:
+            fresh = await self.db(
+                self._issue,
+                request_id=None,
+                node_id=held.node_id,
+                public_key=held.public_key,
+                role=held.role,
+                stage=held.stage,
+                account=held.account,
+            )
+        except Banned as banned:  # banned between the check above and the issue
+            reason = RefusalReason.BANNED_NODE if banned.kind == "node" else RefusalReason.BANNED_ACCOUNT
+            return Payload(
+                Refusal(reason, f"{banned.kind} {banned.target} is banned from this run").to_value()
+            )
         return Payload(
             {
                 "status": "admitted",

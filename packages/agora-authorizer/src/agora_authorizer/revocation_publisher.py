@@ -1,4 +1,5 @@
-"""Publishing bans in the DHT: the revocation list, in the authorizer's own subkey.
+"""Publishing bans in the DHT: the revocation list, in the authorizer's own subkey (and, on
+the same beat, forgetting nonces too old to matter).
 
 Bans are written to the database (``agora-authorizer ban``, from any process); this loop
 reads the ones recent enough to matter (a banned node's last credential may still be valid
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agora_authorizer.store import Store
-from agora_core.admission.revocations import Revocations, revocations_key
+from agora_core.admission.revocations import MAX_ENTRIES, Revocations, revocations_key
 from agora_core.config import RunConfig
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import REFRESHES_PER_TTL, OwnedEntry
@@ -36,11 +37,16 @@ class RevocationPublisher:
         self.period_s = min(self.ttl_s, run.admission.credential_lifetime_s) / REFRESHES_PER_TTL
         # a ban matters while the banned node may still hold an unexpired credential
         self.window_s = run.admission.credential_lifetime_s + run.dht.max_clock_skew_s
+        self.nonce_window_s = 2 * run.admission.request_max_age_s + run.dht.max_clock_skew_s
         self.published: Revocations | None = None
 
     async def publish(self) -> Revocations:
         now = time.time()
         nodes, accounts = await self.db(self.store.revoked_since, since=now - self.window_s)
+        if len(nodes) + len(accounts) > MAX_ENTRIES:  # replicas refuse a longer list: keep accounts first
+            log.warning("revocations_truncated", nodes=len(nodes), accounts=len(accounts), kept=MAX_ENTRIES)
+            accounts = sorted(accounts)[:MAX_ENTRIES]
+            nodes = sorted(nodes)[: MAX_ENTRIES - len(accounts)]
         revocations = Revocations(nodes=tuple(sorted(nodes)), accounts=tuple(sorted(accounts)), updated=now)
         await self.entry.publish(revocations.to_value(), self.ttl_s)
         if self.published is None or (self.published.nodes, self.published.accounts) != (
@@ -55,6 +61,8 @@ class RevocationPublisher:
         while True:
             try:
                 await self.publish()
+                # nonces older than a request may be are refused as stale anyway: forget them
+                await self.db(self.store.forget_nonces, before=time.time() - self.nonce_window_s)
             except AgoraError as exc:  # no DHT peer right now: the next period tries again
                 log.warning("revocations_publish_failed", error=str(exc))
             await asyncio.sleep(self.period_s)

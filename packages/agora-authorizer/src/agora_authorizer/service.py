@@ -12,14 +12,15 @@ it answered; requests it was still checking are marked interrupted on restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
+from agora_authorizer.answers import Waiting, admitted_answer, queued_answer, request_fields
 from agora_authorizer.bucket import TokenBucket
 from agora_authorizer.checks import SoftwarePolicy, check_hardware
 from agora_authorizer.dialback import dial_back
@@ -28,7 +29,7 @@ from agora_authorizer.placement import Placer
 from agora_authorizer.queue import AdmissionQueue
 from agora_authorizer.revocation_publisher import RevocationPublisher
 from agora_authorizer.status import status_report
-from agora_authorizer.store import IssuedCredential, Store
+from agora_authorizer.store import Banned, IssuedCredential, NotFound, Store
 from agora_authorizer.store.rows import Standing
 from agora_core.admission import JoinRequest, Refusal, RefusalReason, open_join_request
 from agora_core.config import RunConfig
@@ -42,35 +43,6 @@ from agora_core.run_node import RunNode
 
 log = get_logger("authorizer")
 RECENT_ADMISSIONS = 4096  # admitted requests answered from memory
-
-
-@dataclass(frozen=True, kw_only=True)
-class Waiting:
-    """A queued request: what its credential will name."""
-
-    node_id: str
-    public_key: bytes
-    role: str
-    stage: int | None
-    account: str
-    checks: dict | None = None  # its measurements, stored when it is admitted
-
-
-def _request_fields(opened: JoinRequest) -> dict:
-    return {
-        "node_id": opened.node_id,
-        "public_key": opened.public_key,
-        "role": opened.role,
-        "address": opened.address,
-        "account": opened.account,
-        "hardware": opened.hardware.to_value(),
-        "software": opened.software,
-    }
-
-
-def _admitted_answer(request_id: int, issued: IssuedCredential) -> dict:
-    credential = {"body": issued.body, "signature": issued.signature}
-    return {"status": "admitted", "request_id": request_id, "stage": issued.stage, "credential": credential}
 
 
 class Authorizer:
@@ -96,7 +68,7 @@ class Authorizer:
         )
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         self.software = SoftwarePolicy([*self.config.allowed_software, *allowed_software])
-        self.challenge_width = self.config.challenge_width or run.model.d_model
+        self.challenge_width = self.config.challenge_width_for(run.model.d_model)
         # One database thread: the store's calls are short and their order is the commit order.
         self._db_thread = ThreadPoolExecutor(1, thread_name_prefix="authorizer-db")
         self.issuer = CredentialIssuer(run=run, key=key, store=store, db=self.db)
@@ -105,7 +77,7 @@ class Authorizer:
         self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
         self._place_lock = asyncio.Lock()
         self.placer = Placer(run=run, dht=self.dht, store=store, db=self.db)
-        self._checking: dict[str, int] = {}  # account -> requests being checked now
+        self._checking: dict[str, set[str]] = {}  # account -> node ids being checked now
         self._waiting: dict[int, Waiting] = {}  # queued request id -> what its credential names
         self._admitted: OrderedDict[int, IssuedCredential] = OrderedDict()  # recent, for the answers
         self._tasks: list[asyncio.Task] = []
@@ -177,24 +149,43 @@ class Authorizer:
 
     async def _on_join(self, request: Request) -> Payload:
         now = time.time()
+        recorded: list[int] = []
+        try:
+            return await self._join(request, now, recorded)
+        except asyncio.CancelledError:
+            # the joiner gave up (its deadline) while this was checked: say so on record,
+            # or the request would read "checking" until the next restart
+            if recorded and self.queue.position(recorded[0]) is None and recorded[0] not in self._admitted:
+                interrupted = Refusal(
+                    RefusalReason.INTERRUPTED, "the joiner stopped waiting during the checks"
+                )
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._refuse(recorded[0], interrupted))
+            raise
+
+    async def _join(self, request: Request, now: float, recorded: list[int]) -> Payload:
         value = request.meta.get("request") if isinstance(request.meta, dict) else None
         opened = open_join_request(value, run=self.run.name, now=now, max_age_s=self.config.request_max_age_s)
         if isinstance(opened, Refusal):
             return await self._refuse(await self.db(self.store.add_unopened_request, now=now), opened)
-        fields = _request_fields(opened)
+        fields = request_fields(opened)
         request_id = await self.db(self.store.record_request, nonce=opened.nonce, now=now, **fields)
+        if request_id is not None:
+            recorded.append(request_id)
         if request_id is None:
             refusal = Refusal(RefusalReason.REPLAYED, "this request was sent before: sign a fresh one")
             return await self._refuse(await self.db(self.store.add_request, now=now, **fields), refusal)
         account = opened.account
-        self._checking[account] = self._checking.get(account, 0) + 1
+        checking = self._checking.setdefault(account, set())
+        others_checking = len(checking - {opened.node_id})
+        checking.add(opened.node_id)
         self.queue.checking(request_id)
         try:
             standing = await self.db(
                 self.store.standing, account, opened.account_token, opened.node_id, now=now
             )
             refusal = (
-                self._accountability(opened, standing)
+                self._accountability(opened, standing, others_checking)
                 or check_hardware(self.config, opened.role, opened.hardware)
                 or self.software.check(opened)
             )
@@ -211,15 +202,22 @@ class Authorizer:
                 return await self._refuse(request_id, dialed.refusal, dialed.measured)
             stage = await self._enqueue(opened, request_id, dialed.measured, pin=standing.pin)
         finally:
-            self._checking[account] -= 1
+            checking.discard(opened.node_id)
+            if not checking:
+                self._checking.pop(account, None)
             self.queue.checked(request_id)
         log.info(
             "join_queued", request_id=request_id, node=opened.node_id[:12], role=opened.role, stage=stage
         )
-        await self.queue.release_ready()  # a token waiting: admitted in this very answer
+        try:
+            await self.queue.release_ready()  # a token waiting: admitted in this very answer
+        except Exception:  # the queue's head failed (logged there); this request is queued
+            pass
         return Payload(await self._status_of(request_id))
 
-    def _accountability(self, opened: JoinRequest, standing: Standing) -> Refusal | None:
+    def _accountability(
+        self, opened: JoinRequest, standing: Standing, others_checking: int
+    ) -> Refusal | None:
         if standing.account is None:
             return Refusal(
                 RefusalReason.UNKNOWN_ACCOUNT,
@@ -233,8 +231,8 @@ class Authorizer:
         if standing.node_banned:
             return Refusal(RefusalReason.BANNED_NODE, f"node {opened.node_id} is banned from this run")
         limit = standing.account.max_nodes or self.config.max_nodes_per_account
-        # its live and queued nodes, and the account's other requests being checked right now
-        in_flight = standing.live_nodes + standing.queued_nodes + self._checking.get(opened.account, 1) - 1
+        # its other nodes: live, queued, and being checked right now
+        in_flight = standing.live_nodes + standing.queued_nodes + others_checking
         if in_flight >= limit:
             return Refusal(
                 RefusalReason.ACCOUNT_LIMIT,
@@ -280,9 +278,17 @@ class Authorizer:
         return stage
 
     async def _admit(self, request_id: int) -> None:
+        """Issue a released request's credential. A node or account banned while it waited
+        is refused instead; a request that is no longer pending (a restart raced it) is
+        dropped: neither may hold up the queue."""
         waiting = self._waiting.get(request_id)
         if waiting is None:  # queued before a restart
             row = await self.db(self.store.request, request_id)
+            if row is None or row.status != "queued":
+                log.warning(
+                    "release_skipped", request_id=request_id, status=None if row is None else row.status
+                )
+                return
             waiting = Waiting(
                 node_id=row.node_id,
                 public_key=row.public_key,
@@ -290,8 +296,19 @@ class Authorizer:
                 stage=row.stage,
                 account=row.account,
             )
-        issued = await self.issuer.admit(request_id, **dataclasses.asdict(waiting))
-        self._waiting.pop(request_id, None)
+        try:
+            issued = await self.issuer.admit(request_id, **dataclasses.asdict(waiting))
+        except Banned as banned:
+            reason = RefusalReason.BANNED_NODE if banned.kind == "node" else RefusalReason.BANNED_ACCOUNT
+            await self._refuse(
+                request_id, Refusal(reason, f"{banned.kind} {banned.target} was banned while it waited")
+            )
+            return
+        except NotFound as exc:
+            log.warning("release_skipped", request_id=request_id, error=str(exc))
+            return
+        finally:
+            self._waiting.pop(request_id, None)
         self._admitted[request_id] = issued
         while len(self._admitted) > RECENT_ADMISSIONS:
             self._admitted.popitem(last=False)
@@ -299,33 +316,21 @@ class Authorizer:
 
     # --- poll and status ---------------------------------------------------------------------
 
-    def _queued_answer(self, request_id: int, stage: int | None) -> dict:
-        position = self.queue.position(request_id) or 1
-        eta = self.queue.eta_s(position)
-        return {
-            "status": "queued",
-            "request_id": request_id,
-            "stage": stage,
-            "position": position,
-            "eta_s": eta,
-            "poll_s": min(max(0.2, eta / 4), 10.0),
-        }
-
     async def _status_of(self, request_id: int) -> dict:
         """Where request ``request_id`` stands: from memory while it waits or was just
         admitted, else from the database."""
         issued = self._admitted.get(request_id)
         if issued is not None:
-            return _admitted_answer(request_id, issued)
+            return admitted_answer(request_id, issued)
         if request_id in self._waiting:
-            return self._queued_answer(request_id, self._waiting[request_id].stage)
+            return queued_answer(self.queue, request_id, self._waiting[request_id].stage)
         row = await self.db(self.store.request, request_id)
         if row is None:
             raise BadRequest(f"no admission request {request_id}")
         if row.status == "queued":
-            return self._queued_answer(row.id, row.stage)
+            return queued_answer(self.queue, row.id, row.stage)
         if row.status == "admitted":
-            return _admitted_answer(row.id, await self.db(self.store.latest_credential_of, row.node_id))
+            return admitted_answer(row.id, await self.db(self.store.latest_credential_of, row.node_id))
         if row.status == "refused":
             return {"status": "refused", "request_id": row.id, "reason": row.reason, "detail": row.detail}
         # still being checked by another call
@@ -334,7 +339,7 @@ class Authorizer:
     async def _on_poll(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
         request_id, node_id = meta.get("request_id"), meta.get("node_id")
-        if not isinstance(request_id, int) or not isinstance(node_id, str):
+        if not isinstance(request_id, int) or not 0 < request_id < 2**63 or not isinstance(node_id, str):
             raise BadRequest("admission.poll needs {'request_id': int, 'node_id': str}")
         known = self._waiting.get(request_id) or self._admitted.get(request_id)
         owner = known.node_id if known is not None else None
@@ -346,7 +351,16 @@ class Authorizer:
         return Payload(await self._status_of(request_id))
 
     async def _on_status(self, request: Request) -> Payload:
+        """Counts only (anyone may ask): which node belongs to which account, the bans and
+        the database are for operators, through ``agora-authorizer status`` on the database."""
         report = await self.db(status_report, self.store, now=time.time())
-        report["tokens"] = None if self.bucket.unlimited else round(self.bucket.tokens(), 2)
-        report["address"] = self.address
-        return Payload(report)
+        return Payload(
+            {
+                "queued": len(report["queue"]),
+                "admitted": report["admitted"],
+                "requests": report["requests"],
+                "refusals": report["refusals"],
+                "tokens": None if self.bucket.unlimited else round(self.bucket.tokens(), 2),
+                "address": self.address,
+            }
+        )

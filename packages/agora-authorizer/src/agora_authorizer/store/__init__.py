@@ -4,7 +4,14 @@
 returns are frozen dataclasses (:mod:`.rows`), the tables are in :mod:`.schema`.
 """
 
-from agora_authorizer.store.database import SUPPORTED_URLS, AlreadyExists, NotFound, StoreError, parse_url
+from agora_authorizer.store.database import (
+    SUPPORTED_URLS,
+    AlreadyExists,
+    Banned,
+    NotFound,
+    StoreError,
+    parse_url,
+)
 from agora_authorizer.store.rows import Account, AdmissionRequest, Ban, IssuedCredential
 from agora_authorizer.store.store import Store
 
@@ -14,6 +21,7 @@ __all__ = [
     "AdmissionRequest",
     "AlreadyExists",
     "Ban",
+    "Banned",
     "IssuedCredential",
     "NotFound",
     "Store",

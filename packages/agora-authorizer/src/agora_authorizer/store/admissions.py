@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import func, insert, select, update
 
 from agora_authorizer.store import schema
-from agora_authorizer.store.database import Database, NotFound
+from agora_authorizer.store.database import Banned, Database, NotFound
 from agora_authorizer.store.rows import (
     AdmissionRequest,
     IssuedCredential,
@@ -207,7 +207,9 @@ class Admissions:
         and, given ``request_id``, admit that request (decided at ``issued``, on ``stage``), all
         in one transaction: the admission and its credential commit together or not at all.
         ``sign`` runs while the transaction holds the write lock: it must be quick and must
-        not use the store. The request must be of ``node_id`` and still checking or queued;
+        not use the store. Banned (nothing issued) when the node or its account is banned,
+        checked in the same transaction, so a ban that lands while a node waits in the queue
+        or refreshes is never outrun. The request must be of ``node_id`` and still checking or queued;
         ``checks`` (its measurements) are stored with it when given (an admission straight
         from the checks, never queued)."""
         check_text("a node id", node_id)
@@ -228,7 +230,12 @@ class Admissions:
             "expires": expires,
         }
         requests, credentials = schema.requests, schema.credentials
+        bans = schema.bans
         with self._db.transaction(write=True) as connection:
+            for kind, target in (("node", node_id), ("account", account)):
+                ban = select(bans.c.kind).where(bans.c.kind == kind, bans.c.target == target)
+                if connection.execute(ban).first() is not None:
+                    raise Banned(kind, target)
             if request_id is not None:
                 admit = update(requests).where(
                     requests.c.id == request_id,

@@ -45,6 +45,15 @@ class NotFound(StoreError):
     """A method names a record the store does not have (an unknown request id)."""
 
 
+class Banned(StoreError):
+    """A credential was not issued: its node or account is banned (``kind`` says which)."""
+
+    def __init__(self, kind: str, target: str) -> None:
+        self.kind = kind
+        self.target = target
+        super().__init__(f"{kind} {target} is banned")
+
+
 def parse_url(url: str) -> tuple[URL, str, str]:
     """(the URL the engine connects to, the URL to display with any password masked, the
     backend name) for a database URL or bare SQLite path; StoreError naming the supported

@@ -19,7 +19,7 @@ class Account:
     """A contributor account the operator created; nodes join under it with its token."""
 
     name: str
-    max_nodes: int | None  # most nodes with a live credential at once; None: no limit
+    max_nodes: int | None  # most nodes with a live credential at once; None: the run's max_nodes_per_account
     created: float
 
 
@@ -30,8 +30,8 @@ class Standing:
     account: Account | None  # None: no such account, or the token is wrong
     account_banned: bool
     node_banned: bool
-    live_nodes: int  # the account's nodes holding a live credential
-    queued_nodes: int  # the account's requests waiting in the queue
+    live_nodes: int  # the account's other nodes holding a live credential
+    queued_nodes: int  # the account's other nodes waiting in the queue
     pin: int | None  # the stage an operator pinned the node to
 
 

@@ -58,7 +58,7 @@ accounts = Table(
     metadata,
     Column("name", String, primary_key=True),
     Column("token_sha256", String(64), nullable=False),  # hex; the token itself is never stored
-    Column("max_nodes", Integer, nullable=True),  # None: no limit
+    Column("max_nodes", Integer, nullable=True),  # None: the run's [admission] max_nodes_per_account
     Column("created", Double, nullable=False),
 )
 

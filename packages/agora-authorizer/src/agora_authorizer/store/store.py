@@ -99,17 +99,24 @@ class Store(Admissions):
     def standing(self, name: str, token: str, node_id: str, *, now: float) -> Standing:
         """Everything the accountability check and placement read about a joiner, in one
         read transaction: its account (None: unknown or wrong token), bans, the account's
-        nodes in the run and in the queue, and the node's pin."""
+        other nodes in the run and in the queue (distinct nodes, this one left out), and the
+        node's pin."""
         accounts, bans, pins = schema.accounts, schema.bans, schema.pins
         requests, credentials = schema.requests, schema.credentials
 
         def banned(kind: str, target: str):
             return select(bans.c.kind).where(bans.c.kind == kind, bans.c.target == target).exists()
 
+        # the account's other nodes: a node joining again does not count against itself
         live = select(func.count(func.distinct(credentials.c.node_id))).where(
-            credentials.c.account == name, credentials.c.expires > now, credentials.c.revoked.is_(None)
+            credentials.c.account == name,
+            credentials.c.expires > now,
+            credentials.c.revoked.is_(None),
+            credentials.c.node_id != node_id,
         )
-        queued = select(func.count()).where(requests.c.account == name, requests.c.status == "queued")
+        queued = select(func.count(func.distinct(requests.c.node_id))).where(
+            requests.c.account == name, requests.c.status == "queued", requests.c.node_id != node_id
+        )
         pin = select(pins.c.stage).where(pins.c.node_id == node_id)
         account = select(accounts.c.token_sha256, *columns_of(accounts, Account)).where(
             accounts.c.name == name

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from agora_core.config.admission import CHALLENGE_MAX_WIDTH as MAX_WIDTH
+
 ROW_DIGEST_BYTES = 8
-MAX_WIDTH = 1 << 14
 
 
 def challenge_matrices(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ has seen (replayed). The node id must be the hash of the public key the request 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,7 +62,7 @@ class JoinRequest:
     role: str  # worker, trainer, monitor
     address: str  # where the authorizer dials back (the node's RPC port)
     account: str
-    account_token: str
+    account_token: str = field(repr=False)  # a secret: never in logs
     hardware: HardwareReport
     software: dict[str, dict[str, str]]  # package -> {version, digest} (agora_core.admission.software)
     timestamp: float = field(default_factory=time.time)
@@ -78,7 +79,7 @@ def sign_join_request(key: NodeKey, request: JoinRequest) -> SignedMessage:
 
 
 def _freshness(timestamp: float, now: float, max_age_s: float) -> Refusal | None:
-    if abs(now - timestamp) > max_age_s:
+    if not math.isfinite(timestamp) or abs(now - timestamp) > max_age_s:  # NaN compares false
         return Refusal(
             RefusalReason.STALE,
             f"the request is {now - timestamp:+.0f} s off the authorizer's clock (at most {max_age_s:g} s): "

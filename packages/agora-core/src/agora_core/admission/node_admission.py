@@ -134,7 +134,13 @@ class NodeAdmission:
         self.on_status = on_status
         self.queue_timeout_s = queue_timeout_s
         self.on_lost: list[Callable[[str, str], None]] = []
-        self.answerer = DialBackAnswerer(key, run.name, matmul)
+        self.answerer = DialBackAnswerer(
+            key,
+            run.name,
+            matmul,
+            max_width=run.admission.challenge_width_for(run.model.d_model),
+            max_probe_bytes=run.admission.bandwidth_probe_bytes,
+        )
         self.answerer.register(node.server)
         self.admission = Admission(
             client=node.client,
@@ -150,6 +156,7 @@ class NodeAdmission:
         self.revocations_read = 0  # revocation lists read
         self._placed = asyncio.Event()
         self._waiting: asyncio.Task | None = None
+        self._keeping: asyncio.Task | None = None  # the keeper's refresh loop, once admitted
 
     # --- joining -----------------------------------------------------------------------------
 
@@ -176,7 +183,23 @@ class NodeAdmission:
         self._waiting = asyncio.get_running_loop().create_task(
             self.admission.wait(on_status=self._seen, timeout_s=self.queue_timeout_s), name="admission-wait"
         )
+        self._waiting.add_done_callback(self._on_admitted)
         return status
+
+    def _on_admitted(self, waiting: asyncio.Task) -> None:
+        """Keep the credential fresh from the moment it arrives, not from when the node is
+        done downloading: a download longer than a credential's life must not outlive it."""
+        if waiting.cancelled() or waiting.exception() is not None or self._keeping is not None:
+            return
+        self._keeping = asyncio.get_running_loop().create_task(self._keep(), name="credential-keeper")
+
+    async def _keep(self) -> None:
+        try:
+            await self.admitted()
+        except AdmissionRefused:  # the node's own admitted() call raises it where it is awaited
+            return
+        assert self.keeper is not None
+        await self.keeper.run()
 
     def _seen(self, status: JoinStatus) -> None:
         previous, self.status = self.status, status
@@ -221,6 +244,7 @@ class NodeAdmission:
                 "stage_changed",
                 f"the authorizer placed this node on stage {self.stage} but admitted it to stage {stage}",
             )
+        self.answerer.active = False  # admitted: nobody may make it compute or send for the asking
         if self.keeper is None:
             self.keeper = CredentialKeeper(
                 client=self.node.client,
@@ -252,7 +276,11 @@ class NodeAdmission:
         that often, until the credential is lost (returns then) or the task is cancelled."""
         if self.keeper is None:
             raise RuntimeError("run() before admitted()")
-        tasks = [asyncio.get_running_loop().create_task(self.keeper.run(), name="credential-keeper")]
+        if self._keeping is None:
+            self._keeping = asyncio.get_running_loop().create_task(
+                self.keeper.run(), name="credential-keeper"
+            )
+        tasks = [self._keeping]
         if revocations_every_s is not None:
             tasks.append(asyncio.get_running_loop().create_task(self._watch(revocations_every_s)))
         try:
@@ -293,8 +321,9 @@ class NodeAdmission:
             callback(reason, detail)
 
     def close(self) -> None:
-        if self._waiting is not None and not self._waiting.done():
-            self._waiting.cancel()
+        for task in (self._waiting, self._keeping):
+            if task is not None and not task.done():
+                task.cancel()
 
     def info(self) -> dict:
         """What ``worker.info`` (and status lines) say about the credential."""

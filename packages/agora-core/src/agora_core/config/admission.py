@@ -12,6 +12,8 @@ from typing import Literal
 
 from agora_core.config.loader import MiB, require
 
+CHALLENGE_MAX_WIDTH = 1 << 14  # agora_core.admission.challenge.MAX_WIDTH: exact in float32 far beyond
+
 
 def _is_hex_key(value: str | None) -> bool:
     return value is not None and len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)
@@ -67,7 +69,11 @@ class AdmissionConfig:
             require(getattr(self, name) >= 0, name, "must be >= 0")
         require(self.admission_burst >= 1, "admission_burst", "must be >= 1")
         require(self.bandwidth_probe_bytes >= 0, "bandwidth_probe_bytes", "must be >= 0")
-        require(self.challenge_width >= 0, "challenge_width", "must be >= 0 (0: the model's d_model)")
+        require(
+            0 <= self.challenge_width <= CHALLENGE_MAX_WIDTH,
+            "challenge_width",
+            f"must lie in [0, {CHALLENGE_MAX_WIDTH}] (0: the model's d_model)",
+        )
         require(self.challenge_rows_checked >= 1, "challenge_rows_checked", "must be >= 1")
         require(self.max_nodes_per_account >= 1, "max_nodes_per_account", "must be >= 1")
         for entry in self.allowed_software:
@@ -76,6 +82,10 @@ class AdmissionConfig:
                 "allowed_software",
                 f"{entry!r}: each entry is '<distribution> <version> <digest>' (agora-authorizer software)",
             )
+
+    def challenge_width_for(self, d_model: int) -> int:
+        """The compute challenge's matmul width for a model of width ``d_model``."""
+        return min(self.challenge_width or d_model, CHALLENGE_MAX_WIDTH)
 
     @property
     def authorized(self) -> bool:

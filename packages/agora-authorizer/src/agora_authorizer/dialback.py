@@ -1,8 +1,8 @@
 """The checks that dial the joiner back: reachability, key possession, bandwidth, compute.
 
 The authorizer calls the address the request advertised: ``admission.prove`` with a fresh
-nonce (the answer must be signed by the requesting key; a second one's round trip, on the
-open connection, is the latency),
+nonce (the answer must be signed by the requesting key; its round trip, timed once the
+connection is open, is the latency),
 ``admission.probe`` for ``bandwidth_probe_bytes`` random bytes (timed: bandwidth) and
 ``admission.challenge`` (the seeded matmul, timed; a few rows recomputed here).
 """
@@ -43,15 +43,9 @@ async def dial_back(
     address = request.address
     nonce = os.urandom(PROVE_NONCE_BYTES)
     try:
-        reply = await client.call(address, Method.ADMISSION_PROVE, {"nonce": nonce}, timeout_s=DIAL_TIMEOUT_S)
-        # the round trip, timed again on the open connection: the first paid for the connect
+        await client.connect(address)  # the connect is not part of the round trip timed next
         started = time.perf_counter()
-        await client.call(
-            address,
-            Method.ADMISSION_PROVE,
-            {"nonce": os.urandom(PROVE_NONCE_BYTES)},
-            timeout_s=DIAL_TIMEOUT_S,
-        )
+        reply = await client.call(address, Method.ADMISSION_PROVE, {"nonce": nonce}, timeout_s=DIAL_TIMEOUT_S)
         rtt = time.perf_counter() - started
     except AgoraError as exc:
         result.refusal = Refusal(

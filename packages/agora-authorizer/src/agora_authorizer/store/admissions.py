@@ -232,10 +232,13 @@ class Admissions:
         requests, credentials = schema.requests, schema.credentials
         bans = schema.bans
         with self._db.transaction(write=True) as connection:
-            for kind, target in (("node", node_id), ("account", account)):
-                ban = select(bans.c.kind).where(bans.c.kind == kind, bans.c.target == target)
-                if connection.execute(ban).first() is not None:
-                    raise Banned(kind, target)
+            ban = select(bans.c.kind, bans.c.target).where(
+                ((bans.c.kind == "node") & (bans.c.target == node_id))
+                | ((bans.c.kind == "account") & (bans.c.target == account))
+            )
+            found = connection.execute(ban.limit(1)).first()
+            if found is not None:
+                raise Banned(found.kind, found.target)
             if request_id is not None:
                 admit = update(requests).where(
                     requests.c.id == request_id,

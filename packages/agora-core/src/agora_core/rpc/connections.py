@@ -161,6 +161,11 @@ class ClientConnections:
             # now rather than at the connect timeout; the next call tries afresh.
             self._drop(peer, PeerUnreachable(f"could not connect to {peer.address} (refused)"))
 
+    async def connect(self, address: str) -> None:
+        """Open the connection to ``address`` now (PeerUnreachable if nobody accepts it within
+        the connect timeout), so that a call timed next measures the round trip alone."""
+        await self._wait_connected(self._peer(address), time.monotonic() + self.config.connect_timeout_s)
+
     async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
         if not peer.settled.is_set():
             limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from agora_authorizer.store import Store
 from agora_authorizer.testing_postgres import create_database, postgres_server
 
 
@@ -19,3 +20,10 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'authorizer.db'}"
     return create_database(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def store(db_url):
+    """An open store on a fresh database of each backend."""
+    with Store.open(db_url) as store:
+        yield store

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agora_authorizer.testing import AuthorizerProcess, authorizer_process
+from agora_authorizer.testing import OPEN_FLOORS, AuthorizerProcess, authorizer_process
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings, parse_run_config
 from agora_core.config.run import DhtConfig
@@ -54,14 +54,7 @@ suspicion_timeout_s = 1.0
 op_timeout_s = 1.0
 record_ttl_s = 3.0
 [admission]
-min_device_memory_gb = 0.0
-min_host_memory_gb = 0.0
-min_bandwidth_mbps = 0.0
-max_latency_ms = 0.0
-max_challenge_s = 0.0
-bandwidth_probe_bytes = 65536
-admissions_per_minute = 0.0
-credential_lifetime_s = {lifetime_s}
+{floors}credential_lifetime_s = {lifetime_s}
 """
 
 
@@ -84,7 +77,7 @@ def seed() -> Iterator[BlockingDht]:
 
 @contextlib.contextmanager
 def authorizer(tmp_path: Path, name: str, *, lifetime_s: float, seed: BlockingDht | None = None):
-    run = parse_run_config(RUN.format(name=name, lifetime_s=lifetime_s))
+    run = parse_run_config(RUN.format(name=name, floors=OPEN_FLOORS, lifetime_s=lifetime_s))
     extra = ("--allow-local-build",) + (("--bootstrap", seed.address) if seed is not None else ())
     with authorizer_process(tmp_path / "authz", run, extra=extra) as process:
         yield process

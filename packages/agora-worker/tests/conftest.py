@@ -1,4 +1,5 @@
-"""Fixtures the worker tests share: a DHT seed, in-process workers on real sockets, a client.
+"""Fixtures the worker tests share: a DHT seed (in-process, or ``process_seed`` for worker
+processes), in-process workers on real sockets, a client.
 
 Each test module names its own ``DHT`` (seed timings), ``RUN`` (the default run config) and
 ``FAST`` (the default worker settings); the fixtures read them from the requesting module.
@@ -12,7 +13,7 @@ import dataclasses
 import pytest
 
 from agora_core.config import RunConfig
-from agora_core.dht import DhtNode
+from agora_core.dht import BlockingDht, DhtNode
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient
@@ -25,6 +26,18 @@ async def seed(request):
     await node.start()
     yield node
     await node.stop()
+
+
+@pytest.fixture(scope="module")
+def process_seed(request):
+    """A DHT seed for the module's worker processes, serving from its own thread (so blocking
+    tests can read it too), with the module's ``DHT`` timings."""
+    dht = BlockingDht(key=NodeKey.generate(), config=request.module.DHT, timeout_s=10.0)
+    dht.start()
+    try:
+        yield dht
+    finally:
+        dht.stop()
 
 
 @pytest.fixture

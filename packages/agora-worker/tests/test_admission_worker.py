@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agora_authorizer.testing import AuthorizerProcess, authorizer_process
+from agora_authorizer.testing import OPEN_FLOORS, AuthorizerProcess, authorizer_process
 from agora_core.config import parse_run_config
 from agora_core.config.run import DhtConfig
 from agora_core.contract import DepartureReason
 from agora_core.dht import BlockingDht
-from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import WorkerDeparture, parse_entries, stage_departures_key, stage_workers_key
 from agora_core.testing import ChildProcess, spawn_python, wait_until
@@ -59,24 +58,6 @@ check_interval_s = 0.1
 [admission]
 {admission}
 """
-FLOORS = """min_device_memory_gb = 0.0
-min_host_memory_gb = 0.0
-min_bandwidth_mbps = 0.0
-max_latency_ms = 0.0
-max_challenge_s = 0.0
-bandwidth_probe_bytes = 65536
-admissions_per_minute = 0.0
-"""
-
-
-@pytest.fixture(scope="module")
-def seed() -> Iterator[BlockingDht]:
-    dht = BlockingDht(key=NodeKey.generate(), config=DHT, timeout_s=10.0)
-    dht.start()
-    try:
-        yield dht
-    finally:
-        dht.stop()
 
 
 @dataclass
@@ -89,23 +70,29 @@ class Admitted:
 
 @contextlib.contextmanager
 def authorizer(
-    tmp_path: Path, name: str, *, lifetime_s: float, seed: BlockingDht | None
+    tmp_path: Path, name: str, *, lifetime_s: float, process_seed: BlockingDht | None
 ) -> Iterator[AuthorizerProcess]:
-    """An authorizer of run ``name`` (in the DHT of ``seed``, where it publishes its revocation
+    """An authorizer of run ``name`` (in the DHT of ``process_seed``, where it publishes its revocation
     list; None: a DHT of its own, so the list never reaches the worker)."""
-    run = parse_run_config(RUN.format(name=name, admission=f"{FLOORS}credential_lifetime_s = {lifetime_s}"))
-    extra = ("--allow-local-build",) + (("--bootstrap", seed.address) if seed is not None else ())
+    run = parse_run_config(
+        RUN.format(name=name, admission=f"{OPEN_FLOORS}credential_lifetime_s = {lifetime_s}")
+    )
+    extra = ("--allow-local-build",) + (
+        ("--bootstrap", process_seed.address) if process_seed is not None else ()
+    )
     with authorizer_process(tmp_path / "authz", run, extra=extra) as process:
         yield process
 
 
 @contextlib.contextmanager
-def admitted_worker(tmp_path: Path, authz: AuthorizerProcess, seed: BlockingDht) -> Iterator[Admitted]:
+def admitted_worker(
+    tmp_path: Path, authz: AuthorizerProcess, process_seed: BlockingDht
+) -> Iterator[Admitted]:
     """A worker process without --stage, admitted through ``authz``; stopped however the block ends."""
     token = authz.add_account("acme")
     command = [
         *("-m", "agora_worker", "run", "--config", str(authz.config_file)),
-        *("--authorizer", authz.address, "--account", "acme", "--bootstrap", seed.address),
+        *("--authorizer", authz.address, "--account", "acme", "--bootstrap", process_seed.address),
         *("--device", "cpu", "--key-file", str(tmp_path / "worker.key")),
         *("--progress-interval", "0.05", "--announce-interval", "0.2"),
     ]
@@ -131,15 +118,15 @@ def status(authz: AuthorizerProcess) -> dict:
     return json.loads(authz.cli("status", "--json").stdout)
 
 
-def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path, seed):
-    with authorizer(tmp_path, "adm-serve", lifetime_s=6.0, seed=seed) as authz:
-        with admitted_worker(tmp_path, authz, seed) as worker:
+def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path, process_seed):
+    with authorizer(tmp_path, "adm-serve", lifetime_s=6.0, process_seed=process_seed) as authz:
+        with admitted_worker(tmp_path, authz, process_seed) as worker:
             assert worker.stage in (0, 1)
             info = call(worker.address, "worker.info").meta
             credential = info["credential"]
             assert info["stage"] == worker.stage and credential["valid"] and credential["lost"] is None
             assert credential["stage"] == worker.stage and credential["serial"] is not None
-            announced = seed.get(stage_workers_key("adm-serve", worker.stage))
+            announced = process_seed.get(stage_workers_key("adm-serve", worker.stage))
             assert [v.value["node_id"] for v in announced.values()] == [worker.node_id]
             tokens = np.arange(8, dtype=np.int64).reshape(1, 8)
             boundary = np.zeros((1, 8, 4), dtype=np.float32)
@@ -161,8 +148,8 @@ def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path,
             )
 
 
-def departure(seed: BlockingDht, run_name: str, worker: Admitted) -> WorkerDeparture:
-    found = seed.get(stage_departures_key(run_name, worker.stage))
+def departure(process_seed: BlockingDht, run_name: str, worker: Admitted) -> WorkerDeparture:
+    found = process_seed.get(stage_departures_key(run_name, worker.stage))
     mine = [d for d in parse_entries(found, WorkerDeparture.from_value) if d.node_id == worker.node_id]
     assert len(mine) == 1, found
     return mine[0]
@@ -180,28 +167,28 @@ def stops_for_credential_lost(worker: Admitted, within_s: float) -> str:
     return line
 
 
-def test_a_worker_whose_refresh_is_refused_stops_serving_within_one_refresh_and_exits(tmp_path, seed):
+def test_a_worker_whose_refresh_is_refused_stops_serving_within_one_refresh_and_exits(tmp_path, process_seed):
     lifetime_s = 6.0
     # the authorizer in a DHT of its own: only the refused refresh can tell the worker
-    with authorizer(tmp_path, "adm-refused", lifetime_s=lifetime_s, seed=None) as authz:
-        with admitted_worker(tmp_path, authz, seed) as worker:
+    with authorizer(tmp_path, "adm-refused", lifetime_s=lifetime_s, process_seed=None) as authz:
+        with admitted_worker(tmp_path, authz, process_seed) as worker:
             assert "banned node" in authz.cli("ban", worker.node_id, "--kind", "node").stdout
             banned_at = time.monotonic()
             line = stops_for_credential_lost(worker, within_s=lifetime_s + 5.0)
             assert "on the run's revocation list" not in line, line  # it was the refresh
             assert time.monotonic() - banned_at <= lifetime_s + 5.0
-            assert departure(seed, "adm-refused", worker).reason is DepartureReason.CREDENTIAL_LOST
-            assert seed.get(stage_workers_key("adm-refused", worker.stage)) == {}  # withdrawn
+            assert departure(process_seed, "adm-refused", worker).reason is DepartureReason.CREDENTIAL_LOST
+            assert process_seed.get(stage_workers_key("adm-refused", worker.stage)) == {}  # withdrawn
 
 
-def test_a_worker_on_the_dht_revocation_list_stops_before_its_credential_expires(tmp_path, seed):
+def test_a_worker_on_the_dht_revocation_list_stops_before_its_credential_expires(tmp_path, process_seed):
     # a credential of ten minutes: only the revocation list the authorizer publishes can stop it soon
-    with authorizer(tmp_path, "adm-revoked", lifetime_s=600.0, seed=seed) as authz:
-        with admitted_worker(tmp_path, authz, seed) as worker:
+    with authorizer(tmp_path, "adm-revoked", lifetime_s=600.0, process_seed=process_seed) as authz:
+        with admitted_worker(tmp_path, authz, process_seed) as worker:
             authz.cli("ban", worker.node_id, "--kind", "node")
             line = stops_for_credential_lost(worker, within_s=15.0)
             assert "on the run's revocation list" in line, line
-            assert departure(seed, "adm-revoked", worker).reason is DepartureReason.CREDENTIAL_LOST
+            assert departure(process_seed, "adm-revoked", worker).reason is DepartureReason.CREDENTIAL_LOST
 
 
 def worker_cli(tmp_path, admission: str, *flags: str) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ stage 1 (surrogate), which must withdraw, publish why, leave and exit with the r
 Causes: requests holding the surrogate's ``fail_token`` (compute fails), a backward holding its
 ``nan_token`` (NaN gradients), the death of the only other DHT member, a sample that never
 makes a batch, a 1 MiB memory limit, and a fake reducer that never answers averaging streams.
-Every test runs its own run name against one shared seed, so their DHT entries never mix.
+Every test runs its own run name against one shared DHT seed, so their DHT entries never mix.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -23,7 +22,6 @@ from agora_core.contract import DepartureReason, Phase
 from agora_core.dht import BlockingDht, owned_subkey
 from agora_core.errors import HandlerFailed
 from agora_core.identity import NodeKey
-from agora_core.rpc import RpcClient
 from agora_core.schema import (
     WorkerDeparture,
     averaging_round_key,
@@ -76,24 +74,6 @@ check_interval_s = 0.1
 """
 
 
-@pytest.fixture(scope="module")
-def seed() -> Iterator[BlockingDht]:
-    """The DHT member every worker joins through, and the monitor that reads their departures."""
-    dht = BlockingDht(key=NodeKey.generate(), config=DHT, timeout_s=10.0)
-    dht.start()
-    try:
-        yield dht
-    finally:
-        dht.stop()
-
-
-@pytest.fixture
-async def client():
-    cli = RpcClient()
-    yield cli
-    await cli.close()
-
-
 @dataclass
 class Running:
     child: ChildProcess
@@ -136,12 +116,12 @@ async def exits_for(running: Running, reason: DepartureReason) -> str:
     return line
 
 
-async def departure_of(seed: BlockingDht, running: Running) -> WorkerDeparture:
+async def departure_of(process_seed: BlockingDht, running: Running) -> WorkerDeparture:
     """What the departed worker told the DHT, read by another member; its announcement is gone."""
-    found = await asyncio.to_thread(seed.get, stage_departures_key(running.run_name, STAGE))
+    found = await asyncio.to_thread(process_seed.get, stage_departures_key(running.run_name, STAGE))
     mine = [d for d in parse_entries(found, WorkerDeparture.from_value) if d.node_id == running.node_id]
     assert len(mine) == 1, found
-    assert await asyncio.to_thread(seed.get, stage_workers_key(running.run_name, STAGE)) == {}
+    assert await asyncio.to_thread(process_seed.get, stage_workers_key(running.run_name, STAGE)) == {}
     return mine[0]
 
 
@@ -153,8 +133,10 @@ def sample(token: int) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "boundary": boundary, "grad": boundary}
 
 
-async def test_a_worker_whose_compute_keeps_failing_terminates_for_device_failure(tmp_path, seed, client):
-    args = {"bootstrap": seed.address, "reducer": seed.node.node_id}
+async def test_a_worker_whose_compute_keeps_failing_terminates_for_device_failure(
+    tmp_path, process_seed, client
+):
+    args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with worker(tmp_path, "term-device", "compute_failures = 3", **args) as running:
         forward = {k: v for k, v in sample(FAIL_TOKEN).items() if k != "grad"}
         for _ in range(3):
@@ -162,28 +144,28 @@ async def test_a_worker_whose_compute_keeps_failing_terminates_for_device_failur
                 await client.call(running.address, "forward", {"stage": STAGE}, forward, timeout_s=10)
         detail = await exits_for(running, DepartureReason.DEVICE_FAILURE)
         assert "3 compute requests failed in a row" in detail
-        departure = await departure_of(seed, running)
+        departure = await departure_of(process_seed, running)
         assert (departure.value, departure.threshold, departure.unit) == (3.0, 3.0, "requests")
         assert departure.exit_code == EXIT_CODES[DepartureReason.DEVICE_FAILURE] and departure.stage == STAGE
 
 
-async def test_a_worker_whose_gradient_is_nan_terminates_at_its_step(tmp_path, seed, client):
-    args = {"bootstrap": seed.address, "reducer": seed.node.node_id}
+async def test_a_worker_whose_gradient_is_nan_terminates_at_its_step(tmp_path, process_seed, client):
+    args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with worker(tmp_path, "term-nan", "nonfinite_steps = 1", batch=1, **args) as running:
         # inputs are checked for NaN on arrival; the NaN arises in the stage (fault injection)
         await client.call(running.address, "backward", {"stage": STAGE}, sample(NAN_TOKEN), timeout_s=10)
         await exits_for(running, DepartureReason.NONFINITE_GRADIENTS)
-        departure = await departure_of(seed, running)
+        departure = await departure_of(process_seed, running)
         assert departure.reason is DepartureReason.NONFINITE_GRADIENTS and departure.step == 1
 
 
-async def test_a_worker_cut_off_from_the_dht_terminates_as_unreachable(tmp_path, seed):
+async def test_a_worker_cut_off_from_the_dht_terminates_as_unreachable(tmp_path, process_seed):
     # Its only other DHT member dies: nobody is left to hear its departure, so this test reads
     # what the worker says on the way out and its exit code.
     alone = BlockingDht(key=NodeKey.generate(), config=DHT, timeout_s=10.0)
     alone.start()
     try:
-        args = {"bootstrap": alone.address, "reducer": seed.node.node_id}
+        args = {"bootstrap": alone.address, "reducer": process_seed.node.node_id}
         with worker(tmp_path, "term-unreachable", "unreachable_s = 1.0", **args) as running:
             alone.stop(leave=False)  # dies without a word: the worker has to find out
             killed = time.monotonic()
@@ -195,42 +177,48 @@ async def test_a_worker_cut_off_from_the_dht_terminates_as_unreachable(tmp_path,
         alone.stop(leave=False)
 
 
-async def test_a_worker_holding_samples_while_its_stage_never_steps_terminates(tmp_path, seed, client):
-    args = {"bootstrap": seed.address, "reducer": seed.node.node_id}
+async def test_a_worker_holding_samples_while_its_stage_never_steps_terminates(
+    tmp_path, process_seed, client
+):
+    args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with worker(tmp_path, "term-stall", "no_progress_s = 0.5", batch=8, **args) as running:
         info = (await client.call(running.address, "worker.info", timeout_s=10)).meta
         assert info["step"] == 0  # idle so far: an idle worker is not stalled
         await client.call(running.address, "backward", {"stage": STAGE}, sample(20), timeout_s=10)
         await exits_for(running, DepartureReason.NO_PROGRESS)  # 1 of 8 samples: no step comes
-        departure = await departure_of(seed, running)
+        departure = await departure_of(process_seed, running)
         assert departure.value >= 0.5 and departure.threshold == 0.5 and departure.unit == "s"
 
 
-async def test_a_worker_over_its_memory_limit_terminates(tmp_path, seed):
-    args = {"bootstrap": seed.address, "reducer": seed.node.node_id}
+async def test_a_worker_over_its_memory_limit_terminates(tmp_path, process_seed):
+    args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with worker(tmp_path, "term-rss", "max_host_rss_mib = 1", **args) as running:
         await exits_for(running, DepartureReason.HOST_MEMORY)
-        departure = await departure_of(seed, running)
+        departure = await departure_of(process_seed, running)
         assert departure.unit == "MiB" and departure.threshold == 1.0
         assert departure.value > 20.0  # a worker with torch loaded holds tens of MiB at least
 
 
-async def test_a_worker_failing_two_of_three_averaging_rounds_terminates(tmp_path, seed, client):
+async def test_a_worker_failing_two_of_three_averaging_rounds_terminates(tmp_path, process_seed, client):
     # The seed poses as the round's only reducer: it joins the group, then never answers a stream.
     run_name = "term-averaging"
     fake = Peer(
-        node_id=seed.node.node_id, address=seed.address, weight=1.0, reducer=True, phase=Phase.SERVING
+        node_id=process_seed.node.node_id,
+        address=process_seed.address,
+        weight=1.0,
+        reducer=True,
+        phase=Phase.SERVING,
     )
     for round_index in (0, 1):
         await asyncio.to_thread(
-            seed.store,
+            process_seed.store,
             averaging_round_key(run_name, STAGE, round_index),
-            owned_subkey(seed.node.key.public_key),
+            owned_subkey(process_seed.node.key.public_key),
             asdict(fake),
             time.time() + 120,
-            signer=seed.node.key,
+            signer=process_seed.node.key,
         )
-    args = {"bootstrap": seed.address, "reducer": seed.node.node_id}
+    args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with worker(tmp_path, run_name, "failed_rounds = 2\nrounds_window = 3", **args) as running:
         for round_index in (0, 1):
             reply = await client.call(
@@ -238,5 +226,5 @@ async def test_a_worker_failing_two_of_three_averaging_rounds_terminates(tmp_pat
             )
             assert reply.meta["group_size"] == 2 and reply.meta["averaging_success"] == 0.0
         await exits_for(running, DepartureReason.AVERAGING_FAILURES)
-        departure = await departure_of(seed, running)
+        departure = await departure_of(process_seed, running)
         assert (departure.value, departure.threshold, departure.unit) == (2.0, 2.0, "rounds")

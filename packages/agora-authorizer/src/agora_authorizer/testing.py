@@ -28,17 +28,9 @@ from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.testing import ChildProcess, spawn_python
 
-# A small run whose floors any test machine passes.
-TEST_RUN = """
-name = "authz-test"
-[model]
-kind = "surrogate"
-d_model = 64
-n_heads = 4
-stage_layers = [1, 1]
-[admission]
-mode = "open"
-min_device_memory_gb = 0.0
+# [admission] floors any test machine passes, and no rate limit (tests of other roles put
+# these lines in their own run configs)
+OPEN_FLOORS = """min_device_memory_gb = 0.0
 min_host_memory_gb = 0.0
 min_bandwidth_mbps = 0.0
 max_latency_ms = 0.0
@@ -46,6 +38,19 @@ max_challenge_s = 0.0
 bandwidth_probe_bytes = 65536
 admissions_per_minute = 0.0
 """
+# A small run with those floors.
+TEST_RUN = (
+    """
+name = "authz-test"
+[model]
+kind = "surrogate"
+d_model = 64
+n_heads = 4
+stage_layers = [1, 1]
+[admission]
+"""
+    + OPEN_FLOORS
+)
 GB = 10**9
 
 

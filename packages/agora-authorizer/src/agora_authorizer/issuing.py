@@ -39,7 +39,9 @@ class CredentialIssuer:
         self.db = db
         self.lifetime_s = run.admission.credential_lifetime_s
 
-    def _signer(self, *, node_id: str, public_key: bytes, role: str, stage: int | None, issued: float):
+    def _signer(
+        self, *, node_id: str, public_key: bytes, role: str, stage: int | None, account: str, issued: float
+    ):
         def sign(serial: int) -> tuple[bytes, bytes]:
             credential = Credential(
                 run=self.run.name,
@@ -50,6 +52,7 @@ class CredentialIssuer:
                 issued=issued,
                 expires=issued + self.lifetime_s,
                 serial=serial,
+                account=account,
             )
             message = issue_credential(self.key, credential).message
             return message.body, message.signature
@@ -70,7 +73,9 @@ class CredentialIssuer:
             account=account,
             issued=issued,
             expires=issued + self.lifetime_s,
-            sign=self._signer(node_id=node_id, public_key=public_key, role=role, stage=stage, issued=issued),
+            sign=self._signer(
+                node_id=node_id, public_key=public_key, role=role, stage=stage, account=account, issued=issued
+            ),
             checks=checks,
         )
 

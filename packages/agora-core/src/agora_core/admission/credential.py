@@ -1,6 +1,6 @@
 """The credential: the authorizer's signed statement that a node key was admitted to a run.
 
-``{run, node id, public key, role, stage, flags, issued, expires, serial}``, signed with the
+``{run, node id, public key, role, stage, flags, issued, expires, serial, account}``, signed with the
 authorizer's Ed25519 key, whose public half the run config names
 (``[admission] authorizer_public_key``). It is short-lived (``credential_lifetime_s``, 10
 minutes by default): a node refreshes it at two thirds of its life, and revocation is the
@@ -19,7 +19,9 @@ from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey, node_id_from_public_key
 
 CONTEXT = b"agora-credential-v1"
-ROLES = ("worker", "trainer", "monitor")
+# dht: a seed of the run's DHT; operator: tools that run the run (both issued by the operator
+# with ``agora-authorizer credential``, not through the join queue)
+ROLES = ("worker", "trainer", "monitor", "dht", "operator")
 REFRESH_AT = 2.0 / 3.0  # of a credential's lifetime
 
 
@@ -46,6 +48,7 @@ class Credential:
     expires: float
     serial: int  # unique per authorizer: refreshes and revocations name it
     flags: tuple[str, ...] = field(default=())
+    account: str = ""  # whose node it is: a banned account's peers are dropped by everyone
 
     @property
     def lifetime_s(self) -> float:
@@ -92,6 +95,9 @@ def _parse(fields: dict) -> Credential:
     flags = fields.get("flags", [])
     if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
         raise CredentialError("malformed", "credential field 'flags' must be a list of strings")
+    account = fields.get("account", "")
+    if not isinstance(account, str):
+        raise CredentialError("malformed", "credential field 'account' must be a string")
     if fields["role"] not in ROLES:
         raise CredentialError("malformed", f"credential role {fields['role']!r} is not one of {ROLES}")
     if node_id_from_public_key(fields["public_key"]) != fields["node_id"]:
@@ -106,6 +112,7 @@ def _parse(fields: dict) -> Credential:
         expires=float(fields["expires"]),
         serial=fields["serial"],
         flags=tuple(flags),
+        account=account,
     )
 
 

@@ -111,6 +111,26 @@ class StreamError(RpcError):
     code = "stream_error"
 
 
+class Unauthenticated(RpcError):
+    """The caller holds no valid credential of this run (none, forged, another run's, expired,
+    revoked, issued to another key), or its clock is off beyond the run's limit."""
+
+    code = "unauthenticated"
+
+
+class Forbidden(RpcError):
+    """The caller is credentialed, but its role or stage may not call this method."""
+
+    code = "forbidden"
+
+
+class PeerRefused(PeerUnreachable):
+    """The connection was refused: the node there does not hold the key or credential expected
+    of it, or it refused ours. Callers treat it as they treat an unreachable peer."""
+
+    code = "peer_refused"
+
+
 _RPC_ERRORS: dict[str, type[RpcError]] = {
     cls.code: cls
     for cls in (
@@ -124,6 +144,9 @@ _RPC_ERRORS: dict[str, type[RpcError]] = {
         Overloaded,
         NotServing,
         StreamError,
+        Unauthenticated,
+        Forbidden,
+        PeerRefused,
     )
 }
 

@@ -58,6 +58,10 @@ class NodeKey:
         """The 64-byte detached signature of ``message``."""
         return self._signing_key.sign(message).signature
 
+    def secret_key_bytes(self) -> bytes:
+        """libsodium's 64-byte secret key (seed + public key): for deriving the CURVE key."""
+        return bytes(self._signing_key) + self.public_key
+
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write the key file with mode 0600 (atomically; never clobbers unless asked)."""
         path = Path(path).expanduser()

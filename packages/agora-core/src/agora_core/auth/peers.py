@@ -14,32 +14,17 @@ import collections
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agora_core.admission.credential import CredentialError, SignedCredential, verify_credential
-from agora_core.admission.revocations import Revocations
 from agora_core.admission.signed import SignedMessage
+from agora_core.auth.peer_identity import AUTHORIZER_ROLE, PeerIdentity
 from agora_core.identity import node_id_from_public_key
 
-AUTHORIZER_ROLE = "authorizer"
+if TYPE_CHECKING:  # the revocation list lives with the DHT's records, which need the RPC layer
+    from agora_core.admission.revocations import Revocations
 _CACHE_ENTRIES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class PeerIdentity:
-    """A peer as its credential describes it (the authorizer: role ``authorizer``)."""
-
-    node_id: str
-    public_key: bytes
-    role: str
-    stage: int | None
-    expires: float  # wall-clock seconds; inf for the authorizer
-    serial: int | None = None
-    account: str = ""
-
-    def valid(self, now: float) -> bool:
-        return now < self.expires
+RENEW_AT = 0.8  # of a peer's credential's lifetime
 
 
 class PeerVerifier:
@@ -57,7 +42,7 @@ class PeerVerifier:
             expires=math.inf,
         )
         self._verified: collections.OrderedDict[bytes, SignedCredential] = collections.OrderedDict()
-        self.revocations = Revocations()
+        self.revocations: Revocations | None = None
         self._revocation_listeners: list[Callable[[Revocations], None]] = []
 
     def identify(self, public_key: bytes, credential: Any, now: float | None = None) -> PeerIdentity:
@@ -81,6 +66,8 @@ class PeerVerifier:
             expires=found.expires + self.max_clock_skew_s,
             serial=found.serial,
             account=found.account,
+            # its holder refreshes at 2/3 of the credential's life: ask for the new one after
+            renew_at=found.issued + RENEW_AT * found.lifetime_s,
         )
         if not identity.valid(now):
             raise CredentialError("expired", f"the credential expired {now - found.expires:.0f} s ago")
@@ -110,17 +97,18 @@ class PeerVerifier:
     # --- revocations -----------------------------------------------------------------------------
 
     def revoked(self, identity: PeerIdentity) -> bool:
-        if identity.role == AUTHORIZER_ROLE:
+        if identity.role == AUTHORIZER_ROLE or self.revocations is None:
             return False
         return self.revocations.revokes(identity.node_id, identity.account or None)
 
     def observe(self, revocations: Revocations | None) -> None:
         """A revocation list just read from the DHT: peers it names are dropped (listeners)."""
-        if revocations is None or revocations.updated < self.revocations.updated:
+        previous = self.revocations
+        if revocations is None or (previous is not None and revocations.updated < previous.updated):
             return
-        changed = (revocations.nodes, revocations.accounts) != (
-            self.revocations.nodes,
-            self.revocations.accounts,
+        changed = previous is None or (revocations.nodes, revocations.accounts) != (
+            previous.nodes,
+            previous.accounts,
         )
         self.revocations = revocations
         if changed:

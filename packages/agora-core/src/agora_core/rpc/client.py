@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from agora_core.auth.security import TransportSecurity
 from agora_core.dtypes import Tensor
 from agora_core.errors import DeadlineExceeded
 from agora_core.linkemu import LinkEmulator
@@ -57,13 +58,16 @@ class RpcClient(ClientConnections):
         link: LinkEmulator | None = None,
         metrics: NodeMetrics | None = None,
         node_id: str = "",
+        security: TransportSecurity | None = None,
     ):
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
         self._m_calls = metrics.counter(
             "agora_rpc_client_calls_total", "Calls made, by outcome.", ["outcome"]
         )
         self._m_outcomes: dict[str, Any] = {}  # bound children: labels() is slow per call
-        super().__init__(config=config or RpcConfig(), link=link, metrics=metrics, node_id=node_id)
+        super().__init__(
+            config=config or RpcConfig(), link=link, metrics=metrics, node_id=node_id, security=security
+        )
         self._request_ids = itertools.count(1)
 
     async def __aenter__(self) -> RpcClient:

@@ -22,7 +22,10 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from agora_core.errors import PeerUnreachable, WireError, rpc_error_from_code
+from agora_core.auth.curve import curve_public_key
+from agora_core.auth.peer_identity import PeerIdentity
+from agora_core.auth.security import HELLO_METHOD, TransportSecurity
+from agora_core.errors import PeerRefused, PeerUnreachable, RpcError, WireError, rpc_error_from_code
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -36,6 +39,17 @@ log = get_logger("rpc.client")
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (refused, ...)
+# a CURVE handshake failed: the node there does not hold the key we expect (no detail, or a
+# protocol error), or its ZAP handler refused our key (auth)
+_HANDSHAKE_FAILED = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "the node there does not hold the key expected of it",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "the secure handshake broke (is the node there in an open run?)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the node there refused this node's key",
+}
+_HANDSHAKE_MASK = _HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED
+for _event in _HANDSHAKE_FAILED:
+    _HANDSHAKE_MASK |= _event
+_GREETING_IDS = 1 << 62  # request ids of greetings: apart from the calls' (which count from 1)
 
 
 class _Peer:
@@ -44,6 +58,10 @@ class _Peer:
     def __init__(self, address: str, routing_id: bytes):
         self.address = address
         self.routing_id = routing_id
+        self.public_key: bytes | None = None  # the key the node there must hold (secured)
+        self.credentialed = True  # ... and whether it must hold a credential too
+        self.identity: PeerIdentity | None = None  # who it proved to be (secured)
+        self.greeting = False  # a greeting is on its way
         self.connected = False
         self.error: Exception | None = None  # why the connection was dropped
         self.settled = asyncio.Event()  # connected, or dropped: either ends a wait to connect
@@ -76,10 +94,14 @@ class ClientConnections:
         link: LinkEmulator | None,
         metrics: NodeMetrics,
         node_id: str,
+        security: TransportSecurity | None = None,
     ):
         self.config = config
         self.link = link
         self.node_id = node_id
+        self.security = security
+        self._greeting_ids = itertools.count(_GREETING_IDS)
+        self._watching: asyncio.Task | None = None
         self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()  # LRU order
         self._by_routing_id: dict[bytes, _Peer] = {}
         self._routing_ids = itertools.count(1)
@@ -108,7 +130,15 @@ class ClientConnections:
             sock = new_socket(zmq.ROUTER, self.config)
             # Unroutable sends raise instead of vanishing silently.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED)
+            if self.security is not None:
+                sock.curve_secretkey = self.security.curve_secret
+                sock.curve_publickey = self.security.curve_public
+                self.security.on_credential_changed(self._greet_all)
+                self.security.on_revocations(lambda _revocations: self._recheck())
+                self._watching = asyncio.get_running_loop().create_task(
+                    self._watch(), name="rpc-client credentials"
+                )
+            monitor = sock.get_monitor_socket(_HANDSHAKE_MASK)
             self._monitor = SocketPump(monitor, self._on_monitor_event, name="rpc-client monitor")
             self._pump = SocketPump(sock, self._on_frames, link=self.link, name="rpc-client")
             self._monitor.start()
@@ -126,6 +156,9 @@ class ClientConnections:
             for idle in [p for p in self._peers.values() if not p.busy][:1]:
                 self._drop(idle, None)  # the least recently used idle connection
         peer = _Peer(address, b"p%d" % next(self._routing_ids))
+        if self.security is not None:
+            peer.public_key, peer.credentialed = self.security.server_key(address)
+            sock.curve_serverkey = curve_public_key(peer.public_key)  # read by the connect below
         sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer.routing_id)
         sock.connect(address)
         self._peers[address] = peer
@@ -135,6 +168,8 @@ class ClientConnections:
 
     def _drop(self, peer: _Peer, error: Exception | None) -> None:
         """Forget a connection: fail its calls, close it so zmq stops reconnecting."""
+        if peer.error is not None:
+            return  # dropped already: keep the first reason
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
         self._by_routing_id.pop(peer.routing_id, None)
@@ -149,17 +184,92 @@ class ClientConnections:
         peer = self._peers.get(event["endpoint"].decode())
         if peer is None:
             return
-        if event["event"] == _HANDSHAKE_SUCCEEDED:
-            peer.connected = True
-            peer.settled.set()
-        elif event["event"] == _DISCONNECTED:
+        kind = event["event"]
+        if kind == _HANDSHAKE_SUCCEEDED:
+            if self.security is None:
+                peer.connected = True
+                peer.settled.set()
+            elif not peer.greeting:
+                self._spawn(self._greet(peer))
+        elif kind in _HANDSHAKE_FAILED and not peer.connected:
+            self._drop(peer, PeerRefused(f"refused connection to {peer.address}: {_HANDSHAKE_FAILED[kind]}"))
+        elif kind == _DISCONNECTED:
             self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
             for listener in self._lost_listeners:
                 listener(peer.address)
-        elif event["event"] == _CONNECT_RETRIED and not peer.connected:
+        elif kind == _CONNECT_RETRIED and not peer.connected:
             # Nobody accepted the connection (on a LAN or loopback: refused). Fail the calls
             # now rather than at the connect timeout; the next call tries afresh.
             self._drop(peer, PeerUnreachable(f"could not connect to {peer.address} (refused)"))
+
+    # --- greetings (authorized runs): credentials both ways on every connection ------------------
+
+    async def _greet(self, peer: _Peer) -> None:
+        """Present our credential and check the server's; the connection is usable once both
+        hold (PeerRefused and dropped otherwise). Run again when a credential is renewed."""
+        peer.greeting = True
+        rid = next(self._greeting_ids)
+        future = asyncio.get_running_loop().create_future()
+        peer.pending[rid] = future
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        request = Message(
+            kind=Kind.REQUEST,
+            method=HELLO_METHOD,
+            request_id=rid,
+            deadline_s=self.config.connect_timeout_s,
+            meta=self.security.hello(),
+        )
+        try:
+            await self._send(peer, request, deadline)
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.config.connect_timeout_s):
+                reply = await future
+            peer.identity = self.security.check_server(reply.meta, peer.public_key, peer.credentialed)
+        except TimeoutError:
+            self._drop(peer, PeerRefused(f"{peer.address} did not answer the greeting in time"))
+            return
+        except PeerRefused as exc:
+            self._drop(peer, PeerRefused(f"{peer.address}: {exc}"))
+            return
+        except RpcError as exc:
+            self._drop(peer, PeerRefused(f"{peer.address} refused this node: {exc}"))
+            return
+        finally:
+            peer.pending.pop(rid, None)
+            peer.greeting = False
+        peer.connected = True
+        peer.settled.set()
+
+    def _greet_all(self) -> None:
+        """Our credential was renewed: present it on every open connection."""
+        for peer in list(self._peers.values()):
+            if peer.connected and not peer.greeting:
+                self._spawn(self._greet(peer))
+
+    def _recheck(self) -> None:
+        """Drop connections to peers whose credential expired or was revoked; ask peers whose
+        credential is due for renewal for their new one."""
+        now = time.time()
+        verifier = self.security.verifier
+        for peer in list(self._peers.values()):
+            identity = peer.identity
+            if identity is None or not peer.connected:
+                continue
+            if not identity.valid(now) or verifier.revoked(identity):
+                why = "was revoked" if verifier.revoked(identity) else "expired"
+                self._drop(peer, PeerRefused(f"the credential of {peer.address} {why}"))
+            elif now >= identity.renew_at and not peer.greeting:
+                self._spawn(self._greet(peer))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.security.recheck_s)
+            self._recheck()
+            self.security.forget_refusals()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def connect(self, address: str) -> None:
         """Open the connection to ``address`` now (PeerUnreachable if nobody accepts it within
@@ -250,6 +360,10 @@ class ClientConnections:
     async def close(self) -> None:
         for peer in list(self._peers.values()):
             self._drop(peer, None)
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

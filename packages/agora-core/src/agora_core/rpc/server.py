@@ -9,6 +9,7 @@ both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from typing import Union
 
 import zmq
 
+from agora_core.auth.access import ANYONE, CREDENTIALED, Access
+from agora_core.auth.security import HELLO_METHOD, TransportSecurity
+from agora_core.auth.zap import zap_handler
 from agora_core.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -32,7 +36,7 @@ from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.streams import ServerStream
-from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
+from agora_core.rpc.transport import SocketPump, context, frames_nbytes, new_socket, normalize_address
 from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 from agora_core.wire import (
     Kind,
@@ -48,6 +52,7 @@ UnaryHandler = Callable[[Request], Awaitable[Union[Payload, None]]]
 StreamHandler = Callable[[ServerStream], Awaitable[Union[Payload, None]]]
 
 log = get_logger("rpc.server")
+_domains = itertools.count(1)  # one ZAP domain per secured server socket in the process
 
 
 def _reject_reason(error: WireError) -> str:
@@ -63,6 +68,7 @@ class _Handler:
     fn: Callable
     streaming: bool
     window: int  # items a streaming caller may have in flight to it
+    access: Access  # who may call it (checked with a security only)
 
 
 @dataclass(slots=True)
@@ -78,7 +84,12 @@ class _Call:
 
 
 class RpcServer:
-    """Serve registered methods on ``listen`` (``host:port``; port 0 picks a free one)."""
+    """Serve registered methods on ``listen`` (``host:port``; port 0 picks a free one).
+
+    With a ``security`` (an authorized run) the socket is a CURVE server, every caller greets
+    it with its credential first (``auth.hello``), each request is checked against its
+    method's ``access``, and ``Request.sender`` is the caller's authenticated node id.
+    """
 
     def __init__(
         self,
@@ -88,9 +99,12 @@ class RpcServer:
         link: LinkEmulator | None = None,
         metrics: NodeMetrics | None = None,
         node_id: str = "",
+        security: TransportSecurity | None = None,
     ):
         self.config = config or RpcConfig()
         self.node_id = node_id
+        self.security = security
+        self._zap_domain: bytes | None = None
         self._listen = normalize_address(listen)
         self._link = link
         self._handlers: dict[str, _Handler] = {}
@@ -114,6 +128,8 @@ class RpcServer:
         self._m_inflight = metrics.gauge("agora_rpc_inflight_requests", "Requests being handled.")
         self._m_children: dict[tuple[str, str], tuple] = {}
         self.traffic = Traffic()  # messages and bytes, as plain numbers for tools and benchmarks
+        if security is not None:
+            self.register(HELLO_METHOD, self._on_hello, access=ANYONE)
         metrics.counter_from(
             "agora_rpc_server_bytes_total",
             "Bytes through the server socket.",
@@ -124,20 +140,27 @@ class RpcServer:
     # --- registration and lifecycle --------------------------------------------------------
 
     def register(
-        self, method: str, handler: Callable, *, stream: bool = False, window: int | None = None
+        self,
+        method: str,
+        handler: Callable,
+        *,
+        stream: bool = False,
+        window: int | None = None,
+        access: Access = CREDENTIALED,
     ) -> None:
         """Serve ``method``: ``await handler(Request)``, or with ``stream=True``
         ``await handler(ServerStream)``; either returns a :class:`Payload` or None.
 
         ``window``: the items a streaming caller may have in flight to this handler (default
-        ``RpcConfig.stream_window``)."""
+        ``RpcConfig.stream_window``). ``access``: who may call it in an authorized run (any
+        credentialed peer unless told otherwise)."""
         if not isinstance(method, str) or not 0 < len(method) <= self.config.wire.limits.max_name_chars:
             raise ValueError("method name must be a non-empty, bounded str")
         if method in self._handlers:
             raise ValueError(f"method {method!r} is already registered")
         if window is not None and not stream:
             raise ValueError("a stream window is for streaming methods only")
-        self._handlers[method] = _Handler(handler, stream, self.config.window(window))
+        self._handlers[method] = _Handler(handler, stream, self.config.window(window), access)
 
     @property
     def methods(self) -> list[str]:
@@ -146,10 +169,13 @@ class RpcServer:
     async def start(self) -> str:
         """Bind and start serving; returns the bound ``tcp://host:port`` address."""
         sock = new_socket(zmq.ROUTER, self.config)
+        if self.security is not None:
+            self._secure(sock)
         try:
             sock.bind(self._listen)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            self._unsecure()
             raise OSError(f"cannot listen on {self._listen}: {exc}") from None
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = SocketPump(sock, self._on_frames, link=self._link, name=f"rpc-server {self.address}")
@@ -169,6 +195,26 @@ class RpcServer:
         if self._pump is not None:
             await self._pump.close()
             self._pump = None
+        self._unsecure()
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server whose connections the process's ZAP handler admits."""
+        security = self.security
+        self._zap_domain = b"agora-%d" % next(_domains)
+        zap_handler(context()).register(self._zap_domain, security.admits)
+        sock.curve_server = True
+        sock.curve_secretkey = security.curve_secret
+        sock.curve_publickey = security.curve_public
+        sock.zap_domain = self._zap_domain
+
+    def _unsecure(self) -> None:
+        if self._zap_domain is not None:
+            zap_handler(context()).unregister(self._zap_domain)
+            self._zap_domain = None
+
+    async def _on_hello(self, request: Request) -> Payload:
+        anonymous_ok = any(h.access.anonymous for m, h in self._handlers.items() if m != HELLO_METHOD)
+        return Payload(self.security.greet(request.user_id, request.meta, anonymous_ok=anonymous_ok))
 
     async def __aenter__(self) -> RpcServer:
         await self.start()
@@ -209,7 +255,7 @@ class RpcServer:
             return
         key = (identity, message.request_id)
         if message.kind == Kind.REQUEST:
-            self._accept(identity, key, message, header, data)
+            self._accept(identity, key, message, header, data, frames[0])
             return
         call = self._calls.get(key)
         if call is None:
@@ -231,9 +277,21 @@ class RpcServer:
         else:
             self._reject("unexpected_kind")
 
-    def _accept(self, identity: bytes, key, message: Message, header: dict, data: list) -> None:
+    def _accept(
+        self, identity: bytes, key, message: Message, header: dict, data: list, first: zmq.Frame
+    ) -> None:
         rid = message.request_id
         handler = self._handlers.get(message.method)
+        caller, user_id, sender = None, "", message.sender
+        if self.security is not None and handler is not None:
+            # the key this connection's CURVE handshake proved, as the ZAP handler named it
+            user_id = first.get("User-Id")
+            caller = self.security.caller(user_id, time.time())
+            sender = caller.node_id if caller is not None else ""
+            refusal = handler.access.refusal(caller, message.method)
+            if refusal is not None:
+                self._reject(refusal.code)
+                return self._reply_error(identity, rid, refusal)
         if key in self._calls:
             self._reject("duplicate")
             return self._reply_error(identity, rid, BadRequest(f"request id {rid} is already in flight"))
@@ -260,9 +318,11 @@ class RpcServer:
             method=message.method,
             meta=message.meta,
             tensors=tensors,
-            sender=message.sender,
+            sender=sender,
             peer=identity,
             deadline=time.monotonic() + remaining,
+            caller=caller,
+            user_id=user_id,
         )
         call = _Call(method=message.method, started=time.perf_counter())
         if handler.streaming:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.dtypes import Tensor
 from agora_core.wire import WireConfig
 
@@ -54,9 +55,13 @@ class Request:
     method: str
     meta: Any
     tensors: dict[str, Tensor]
-    sender: str  # the node id the caller declared (authenticated by the credential layer)
+    # the caller's node id: authenticated in an authorized run ("" for a caller without a
+    # credential), as the caller declared it in an open one
+    sender: str
     peer: bytes  # transport identity of the connection; opaque
     deadline: float  # time.monotonic() by which the caller stops waiting
+    caller: PeerIdentity | None = None  # who the caller is (authorized runs): role, stage, key
+    user_id: str = ""  # the connection's CURVE key in hex (authorized runs)
 
     @property
     def remaining_s(self) -> float:

@@ -25,11 +25,8 @@ from agora_core.admission.join_request import JOIN_CONTEXT
 from agora_core.admission.revocations import Revocations, revocations_key
 from agora_core.admission.signed import sign_map
 from agora_core.contract import Method
-from agora_core.dht import DhtNode
 from agora_core.dht.records import RecordRejected, owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
 from agora_core.testing import poll_until
 
 pytestmark = pytest.mark.slow
@@ -226,11 +223,9 @@ async def test_a_banned_or_unknown_account_and_a_full_one_are_refused(authz, acc
         await joiner.close()
 
 
-async def test_a_banned_node_loses_its_refresh_and_is_published_as_revoked(authz, account):
+async def test_a_banned_node_loses_its_refresh_and_is_published_as_revoked(authz, account, tmp_path):
     joiner, status = await joined(authz, account)
-    reader = RunNode(
-        run=authz.run, key=NodeKey.generate(), metrics=NodeMetrics(role="test"), bootstrap=[authz.address]
-    )
+    reader = authz.operator_node(tmp_path / "reader.key")
     await reader.start()
     try:
         assert status.status == "admitted"
@@ -247,16 +242,16 @@ async def test_a_banned_node_loses_its_refresh_and_is_published_as_revoked(authz
 
         period = min(authz.run.dht.record_ttl_s, authz.run.admission.credential_lifetime_s) / 3
         await poll_until(listed, timeout_s=period + 15, what="the ban in the DHT revocation list")
-        # nobody but the authorizer may write the list: a node that skips the check locally
-        # (no validators) is refused by the replicas
-        forger_key = NodeKey.generate()
-        forger = DhtNode(key=forger_key, config=authz.run.dht, bootstrap=[authz.address])
+        # nobody but the authorizer may write the list: a credentialed node that skips the
+        # check locally (a modified client) is refused by the replicas
+        forger = authz.operator_node(tmp_path / "forger.key")
+        forger.dht.records.validate = lambda *args, **kwargs: None
         await forger.start()
         try:
             forged = Revocations(nodes=(), updated=time.time()).to_value()
             with pytest.raises(RecordRejected):
-                await forger.store(
-                    key, owned_subkey(forger_key.public_key), forged, time.time() + 30, signer=forger_key
+                await forger.dht.store(
+                    key, owned_subkey(forger.key.public_key), forged, time.time() + 30, signer=forger.key
                 )
         finally:
             await forger.stop()

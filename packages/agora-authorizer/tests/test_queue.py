@@ -85,7 +85,7 @@ async def test_a_sigkilled_authorizer_loses_nothing_and_resumes_the_queue_in_ord
         assert 3 <= len(admitted_before) < count, "the kill should land mid-queue"
         with authorizer_process(directory, run, db=db_url, key=key) as authz:
             for joiner in joiners:  # the restarted authorizer listens on another port
-                joiner.admission.authorizer = authz.address
+                joiner.use_authorizer(authz.address)
             final = await asyncio.gather(*(j.admission.wait(timeout_s=60) for j in joiners))
             report = json.loads(authz.cli("status", "--json").stdout)
     finally:

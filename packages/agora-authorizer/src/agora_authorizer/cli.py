@@ -6,6 +6,7 @@
     agora-authorizer status --db DB               # queue, admitted per stage, refusals by reason
     agora-authorizer ban NODE_ID|ACCOUNT --db DB  # refused at its next refresh, and in the DHT
     agora-authorizer pin NODE_ID STAGE --db DB    # place that node on STAGE when it joins
+    agora-authorizer credential --config RUN.toml --node-key F --role dht --out C  # a seed's
 
 The database is SQLite by default, a file next to the key (``authorizer.db``); give
 ``--db postgresql://user@host/dbname`` for PostgreSQL. Every command but ``serve`` works on
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import click
 
-from agora_authorizer import __version__
+from agora_authorizer import __version__, cli_credential
 from agora_authorizer.status import format_status, status_report
 from agora_authorizer.store import AlreadyExists, Store, StoreError
 from agora_core.admission.software import local_build
@@ -301,3 +302,6 @@ def software() -> None:
     """Print [admission] allowed_software entries for the agora packages installed here."""
     for entry in local_build():
         click.echo(json.dumps(entry))
+
+
+cli_credential.register(main, _db_option, open_store)

@@ -22,7 +22,7 @@ from agora_core.admission.answerer import PROVE_NONCE_BYTES, prove_message
 from agora_core.admission.challenge import check_rows
 from agora_core.config import AdmissionConfig
 from agora_core.contract import Method
-from agora_core.errors import AgoraError
+from agora_core.errors import AgoraError, PeerRefused
 from agora_core.identity import verify_signature
 from agora_core.rpc import RpcClient
 
@@ -38,6 +38,23 @@ class DialBackResult:
 async def dial_back(
     client: RpcClient, request: JoinRequest, *, run: str, config: AdmissionConfig, challenge_width: int
 ) -> DialBackResult:
+    """Dial the joiner at its advertised address and measure it; the connection is closed
+    after. In an authorized run the joiner holds no credential yet: it must hold the key of
+    its request (the handshake proves it), nothing more."""
+    security = client.security
+    if security is not None:
+        security.expect(request.address, request.public_key, credentialed=False)
+    try:
+        return await _dial_back(client, request, run=run, config=config, challenge_width=challenge_width)
+    finally:
+        await client.disconnect(request.address)
+        if security is not None:
+            security.forget(request.address)
+
+
+async def _dial_back(
+    client: RpcClient, request: JoinRequest, *, run: str, config: AdmissionConfig, challenge_width: int
+) -> DialBackResult:
     result = DialBackResult()
     measured = result.measured
     address = request.address
@@ -47,6 +64,11 @@ async def dial_back(
         started = time.perf_counter()
         reply = await client.call(address, Method.ADMISSION_PROVE, {"nonce": nonce}, timeout_s=DIAL_TIMEOUT_S)
         rtt = time.perf_counter() - started
+    except PeerRefused as exc:  # authorized run: the handshake showed another key is there
+        result.refusal = Refusal(
+            RefusalReason.KEY_MISMATCH, f"the node at {address} does not hold the request's key ({exc})"
+        )
+        return result
     except AgoraError as exc:
         result.refusal = Refusal(
             RefusalReason.UNREACHABLE,

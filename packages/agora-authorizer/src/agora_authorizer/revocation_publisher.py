@@ -39,6 +39,7 @@ class RevocationPublisher:
         self.window_s = run.admission.credential_lifetime_s + run.dht.max_clock_skew_s
         self.nonce_window_s = 2 * run.admission.request_max_age_s + run.dht.max_clock_skew_s
         self.published: Revocations | None = None
+        self.on_published: Callable[[Revocations], None] | None = None  # the authorizer's own peers
 
     async def publish(self) -> Revocations:
         now = time.time()
@@ -55,6 +56,8 @@ class RevocationPublisher:
         ):
             log.info("revocations_published", nodes=len(nodes), accounts=len(accounts))
         self.published = revocations
+        if self.on_published is not None:
+            self.on_published(revocations)
         return revocations
 
     async def run(self) -> None:

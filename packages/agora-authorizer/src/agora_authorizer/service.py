@@ -32,6 +32,7 @@ from agora_authorizer.status import status_report
 from agora_authorizer.store import Banned, IssuedCredential, NotFound, Store
 from agora_authorizer.store.rows import Standing
 from agora_core.admission import JoinRequest, Refusal, RefusalReason, open_join_request
+from agora_core.auth.access import ANYONE
 from agora_core.config import RunConfig
 from agora_core.contract import Method
 from agora_core.errors import BadRequest
@@ -75,6 +76,7 @@ class Authorizer:
         self.bucket = TokenBucket(self.config.admissions_per_minute, self.config.admission_burst)
         self.queue = AdmissionQueue(self.bucket, self._admit)
         self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
+        self.revocations.on_published = self.node.observe_revocations  # drop banned peers at once
         self._place_lock = asyncio.Lock()
         self.placer = Placer(run=run, dht=self.dht, store=store, db=self.db)
         self._checking: dict[str, set[str]] = {}  # account -> node ids being checked now
@@ -93,7 +95,7 @@ class Authorizer:
             (Method.ADMISSION_REFRESH, self.issuer.on_refresh),
             (Method.ADMISSION_STATUS, self._on_status),
         ):
-            self.server.register(method, handler)
+            self.server.register(method, handler, access=ANYONE)  # joiners hold no credential yet
 
     async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._db_thread, lambda: fn(*args, **kwargs))

@@ -20,12 +20,15 @@ from pathlib import Path
 from agora_core.admission import HardwareReport, JoinRequest
 from agora_core.admission.answerer import DialBackAnswerer
 from agora_core.admission.credential import SignedCredential
+from agora_core.admission.credential_file import load_credential
 from agora_core.admission.join_client import Admission, JoinStatus
 from agora_core.admission.keeper import CredentialKeeper
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.identity import NodeKey
+from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
+from agora_core.run_node import RunNode, transport_security
 from agora_core.testing import ChildProcess, spawn_python
 
 # [admission] floors any test machine passes, and no rate limit (tests of other roles put
@@ -90,6 +93,34 @@ class AuthorizerProcess:
             raise RuntimeError(f"agora-authorizer {' '.join(args)} failed: {result.stderr or result.stdout}")
         return result
 
+    def operator_credential(self, key_file: Path, role: str = "monitor") -> SignedCredential:
+        """Issue (``agora-authorizer credential``) and load the credential of the key in
+        ``key_file`` (created if missing) for ``role``."""
+        out = key_file.with_suffix(".credential")
+        self.cli(
+            "credential",
+            *("--config", str(self.config_file), "--node-key", str(key_file)),
+            *("--role", role, "--out", str(out)),
+        )
+        return load_credential(
+            out,
+            authorizer_public_key=self.key.public_key,
+            run=self.run.name,
+            public_key=NodeKey.load(key_file).public_key,
+        )
+
+    def operator_node(self, key_file: Path, role: str = "monitor") -> RunNode:
+        """A RunNode of this run holding an operator credential of ``role`` (not started);
+        it joins the DHT through the authorizer."""
+        credential = self.operator_credential(key_file, role)
+        return RunNode(
+            run=self.run,
+            key=NodeKey.load(key_file),
+            metrics=NodeMetrics(role=role),
+            authorizer=self.address,
+            credential=credential,
+        )
+
     def add_account(self, name: str, *, max_nodes: int | None = None) -> str:
         args = ["account", "add", name] + ([] if max_nodes is None else ["--max-nodes", str(max_nodes)])
         return self.cli(*args).stdout.split()[-1]
@@ -143,8 +174,12 @@ class TestJoiner:
         self.authorizer = authorizer
         self.key = key or NodeKey.generate()
         self.role = role
-        self.server = RpcServer(listen="127.0.0.1:0")
-        self.client = RpcClient()
+        # an authorized run's transport: the authorizer dials this key back, we dial its key
+        self.security = transport_security(run, self.key)
+        if self.security is not None:
+            self.security.expect(authorizer, run.admission.authorizer_key_bytes, credentialed=False)
+        self.server = RpcServer(listen="127.0.0.1:0", security=self.security)
+        self.client = RpcClient(security=self.security)
         self.answerer = DialBackAnswerer(self.key, run.name)
         self.answerer.register(self.server)
         self.address = ""
@@ -156,6 +191,12 @@ class TestJoiner:
             authorizer_key=run.admission.authorizer_key_bytes,
             run=run.name,
         )
+
+    def use_authorizer(self, address: str) -> None:
+        """Ask the authorizer at ``address`` from now on (a restarted one)."""
+        self.authorizer = self.admission.authorizer = address
+        if self.security is not None:
+            self.security.expect(address, self.run.admission.authorizer_key_bytes, credentialed=False)
 
     async def start(self) -> TestJoiner:
         self.address = await self.server.start()

@@ -1,21 +1,33 @@
 """The networking every role of a run shares: one RPC port, a client, and a DHT membership.
 
-Workers, trainers and (later) the authorizer and monitor each hold one :class:`RunNode`: their
-own RPC methods and the DHT's are served on the same port, and the DHT enforces the run's
-value schemas (``agora_core.schema``, and in an authorized run the revocation list's owner) on
-everything it stores. The port can be bound before the DHT is joined (:meth:`RunNode.serve`):
-an authorized node answers the authorizer's dial-back there while it waits to be admitted.
+Workers, trainers, the authorizer and (later) the monitor each hold one :class:`RunNode`:
+their own RPC methods and the DHT's are served on the same port, and the DHT enforces the
+run's value schemas (``agora_core.schema``, and in an authorized run the revocation list's
+owner) on everything it stores. The port can be bound before the DHT is joined
+(:meth:`RunNode.serve`): an authorized node answers the authorizer's dial-back there while it
+waits to be admitted.
+
+In an authorized run every connection is authenticated (:mod:`agora_core.auth`): the node
+presents its credential (:meth:`RunNode.set_credential`, once admitted), and dials only
+nodes whose key it knows — a bootstrap address names it (``<hex key>@host:port``), the DHT's
+member table knows every member's, the run config the authorizer's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from agora_core.addresses import normalize_address
+from agora_core.admission.credential import SignedCredential
+from agora_core.admission.revocations import Revocations
+from agora_core.auth import PeerVerifier
+from agora_core.auth.security import TransportSecurity, parse_peer_address
 from agora_core.codec import CompressionPolicy
 from agora_core.config import RunConfig
 from agora_core.config.run import TransportConfig
 from agora_core.dht import DhtNode, Validators
+from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.metrics import NodeMetrics
@@ -40,6 +52,23 @@ def rpc_config(transport: TransportConfig, **overrides: Any) -> RpcConfig:
     return RpcConfig(**{**settings, **overrides})
 
 
+def transport_security(
+    run: RunConfig, key: NodeKey, credential: Callable[[], Any] = lambda: None
+) -> TransportSecurity | None:
+    """The transport security of node ``key`` in ``run`` (None in an open run); ``credential``
+    returns the node's current credential value (None while it has none)."""
+    if not run.admission.authorized:
+        return None
+    verifier = PeerVerifier(
+        run=run.name,
+        authorizer_key=run.admission.authorizer_key_bytes,
+        max_clock_skew_s=run.admission.max_clock_skew_s,
+    )
+    return TransportSecurity(
+        key=key, verifier=verifier, credential=credential, max_clock_skew_s=run.admission.max_clock_skew_s
+    )
+
+
 class RunNode:
     def __init__(
         self,
@@ -51,22 +80,74 @@ class RunNode:
         bootstrap: Sequence[str] = (),
         advertise: str | None = None,
         link: LinkEmulator | None = None,
+        authorizer: str | None = None,
+        credential: SignedCredential | None = None,
     ):
+        """``bootstrap``: DHT members to join through (``<hex key>@host:port`` in an
+        authorized run); ``authorizer``: the authorizer's address (it is a member too);
+        ``credential``: this node's, when it has one already (a DHT seed's, a tool's)."""
+        self.key = key
+        self.credential: SignedCredential | None = credential
+        self.security = transport_security(run, key, self.credential_value)
+        addresses = self._bootstrap(run, bootstrap, authorizer)
         rpc = rpc_config(run.transport)
-        self.server = RpcServer(listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id)
-        self.client = RpcClient(config=rpc, link=link, metrics=metrics, node_id=key.node_id)
+        self.server = RpcServer(
+            listen=listen, config=rpc, link=link, metrics=metrics, node_id=key.node_id, security=self.security
+        )
+        self.client = RpcClient(
+            config=rpc, link=link, metrics=metrics, node_id=key.node_id, security=self.security
+        )
         validators = Validators()
         register_validators(validators, run.name, run.admission.authorizer_key_bytes)
         self.dht = DhtNode(
             key=key,
             config=run.dht,
-            bootstrap=bootstrap,
+            bootstrap=addresses,
             advertise=advertise,
             server=self.server,
             client=self.client,
             metrics=metrics,
             validators=validators,
         )
+
+    def _bootstrap(self, run: RunConfig, bootstrap: Sequence[str], authorizer: str | None) -> list[str]:
+        """The bootstrap addresses, their keys noted for the secure transport."""
+        addresses = []
+        for spec in bootstrap:
+            try:
+                address, public_key = parse_peer_address(spec)
+            except ValueError as exc:
+                raise ConfigError(f"--bootstrap {exc}") from None
+            address = normalize_address(address)
+            if self.security is not None:
+                if public_key is None:
+                    raise ConfigError(
+                        f"--bootstrap {spec}: in an authorized run a bootstrap address names its "
+                        "node's public key, as <64 hex digits>@host:port"
+                    )
+                self.security.expect(address, public_key)
+            addresses.append(address)
+        if authorizer and self.security is not None:
+            address = normalize_address(authorizer)
+            self.security.expect(address, run.admission.authorizer_key_bytes, credentialed=False)
+            if address not in addresses:
+                addresses.append(address)  # the authorizer is a member: it can let a node in too
+        return addresses
+
+    def credential_value(self) -> Any:
+        """This node's credential as the wire carries it (None before it has one)."""
+        return None if self.credential is None else self.credential.to_value()
+
+    def set_credential(self, credential: SignedCredential) -> None:
+        """This node's fresh credential (admitted, or refreshed): present it from now on."""
+        self.credential = credential
+        if self.security is not None:
+            self.security.credential_changed()
+
+    def observe_revocations(self, revocations: Revocations | None) -> None:
+        """A revocation list just read or published: its nodes' connections are dropped."""
+        if self.security is not None:
+            self.security.verifier.observe(revocations)
 
     async def serve(self) -> str:
         """Bind the RPC port and serve (no DHT yet: a node of an authorized run answers the

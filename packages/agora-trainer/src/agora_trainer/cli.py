@@ -170,6 +170,7 @@ def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> Non
             bootstrap=list(bootstrap),
             advertise=node.advertise,
             link=node.link_emulator(),
+            authorizer=node.authorizer,
         )
         admission = None
         if run_config.admission.authorized:  # the challenge on the CPU, with numpy

@@ -67,6 +67,7 @@ async def _main(
         bootstrap=bootstrap,
         advertise=node.advertise,
         link=node.link_emulator(),
+        authorizer=node.authorizer,
     )
     _echo(f"agora-worker {__version__}: run {run.name!r}")
     _echo(f"  node id    {key.node_id}")

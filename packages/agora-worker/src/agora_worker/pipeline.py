@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from agora_core.auth.access import only
 from agora_core.config.run import ModelConfig
 from agora_core.contract import Method, Phase, StageRole
 from agora_core.errors import BadRequest, NotServing, StageMismatch
@@ -43,9 +44,11 @@ class PipelineService:
         self.refused_while_invisible = 0  # batches a trainer sent though it could not see us
 
     def register(self, server: RpcServer) -> None:
-        server.register(Method.FORWARD, self._on_forward)
-        server.register(Method.BACKWARD, self._on_backward)
-        server.register(Method.FORWARD_BACKWARD, self._on_forward_backward)
+        # In an authorized run only trainers route batches (and the operator's tools evaluate).
+        access = only(("trainer", "operator"))
+        server.register(Method.FORWARD, self._on_forward, access=access)
+        server.register(Method.BACKWARD, self._on_backward, access=access)
+        server.register(Method.FORWARD_BACKWARD, self._on_forward_backward, access=access)
 
     def _check(self, request: Request) -> dict:
         stage = request.meta.get("stage") if isinstance(request.meta, dict) else None

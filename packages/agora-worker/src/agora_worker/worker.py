@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
+from agora_core.auth.access import CREDENTIALED, only
 from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase, StageRole
 from agora_core.errors import BadRequest
@@ -102,13 +103,14 @@ class Worker:
             link=link,
         )
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
-        for method, handler in (
-            (Method.WORKER_INFO, self._on_info),
-            (Method.WORKER_PARAMETERS, self._on_parameters),
-            (Method.AVERAGING_START, self._on_start_round),
-            (Method.PROGRESS_POKE, self._on_poke),
+        same_stage = only(("worker",), stage=stage)  # who may call what, in an authorized run
+        for method, handler, access in (
+            (Method.WORKER_INFO, self._on_info, CREDENTIALED),
+            (Method.WORKER_PARAMETERS, self._on_parameters, only(("worker", "operator"), stage=stage)),
+            (Method.AVERAGING_START, self._on_start_round, same_stage),
+            (Method.PROGRESS_POKE, self._on_poke, same_stage),
         ):
-            self.server.register(method, handler)
+            self.server.register(method, handler, access=access)
         self.ready = False  # its state is in place (downloaded or its own): it may donate it
         self.donor = StateDonor(
             state=self.state,
@@ -118,7 +120,7 @@ class Worker:
             ready=lambda: self.ready,
             metrics=self.metrics,
         )
-        self.donor.register(self.server)
+        self.donor.register(self.server, stage=stage)
         untrained = [p for p in self.module.parameters() if not p.requires_grad]
         self.averager = Averager(
             config=run.averaging,

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from agora_core.admission.challenge import MAX_WIDTH, answer_challenge
+from agora_core.auth.access import only
+from agora_core.auth.peer_identity import AUTHORIZER_ROLE
 from agora_core.contract import Method
 from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
@@ -61,9 +63,11 @@ class DialBackAnswerer:
             raise BadRequest("this node is not joining: the admission dial-back is closed")
 
     def register(self, server: RpcServer) -> None:
-        server.register(Method.ADMISSION_PROVE, self._on_prove)
-        server.register(Method.ADMISSION_PROBE, self._on_probe)
-        server.register(Method.ADMISSION_CHALLENGE, self._on_challenge)
+        # the authorizer dials back before this node holds a credential: only its key may ask
+        access = only((AUTHORIZER_ROLE,))
+        server.register(Method.ADMISSION_PROVE, self._on_prove, access=access)
+        server.register(Method.ADMISSION_PROBE, self._on_probe, access=access)
+        server.register(Method.ADMISSION_CHALLENGE, self._on_challenge, access=access)
 
     async def _on_prove(self, request: Request) -> Payload:
         self._check_active()

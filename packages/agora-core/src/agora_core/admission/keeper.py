@@ -38,6 +38,7 @@ class CredentialKeeper:
         credential: SignedCredential,
         on_lost: Callable[[str, str], None],
         retry_s: float = 5.0,
+        on_refreshed: Callable[[SignedCredential], None] | None = None,
     ):
         self.client = client
         self.authorizer = authorizer
@@ -47,6 +48,7 @@ class CredentialKeeper:
         self.current = credential
         self.on_lost = on_lost
         self.retry_s = retry_s
+        self.on_refreshed = on_refreshed
         self.refreshes = 0
         self.failures = 0
         self.lost: str | None = None  # the reason, once lost
@@ -75,6 +77,8 @@ class CredentialKeeper:
             raise AdmissionRefused(status.reason or status.status, status.detail)
         self.current = status.credential
         self.refreshes += 1
+        if self.on_refreshed is not None:
+            self.on_refreshed(status.credential)
         return status.credential
 
     def _lose(self, reason: str, detail: str) -> None:

@@ -254,7 +254,9 @@ class NodeAdmission:
                 run=self.run_config.name,
                 credential=credential,
                 on_lost=self._lose,
+                on_refreshed=self.node.set_credential,
             )
+            self.node.set_credential(credential)  # presented on every connection from now on
             log.info(
                 "admitted",
                 role=self.role,
@@ -306,6 +308,7 @@ class NodeAdmission:
         """A revocation list just read: the node's credential is lost if it names it."""
         if revocations is None:
             return
+        self.node.observe_revocations(revocations)  # its peers on the list are dropped too
         self.revocations_read += 1
         if revocations.revokes(self.key.node_id, self.settings.account):
             self._lose("revoked", "this node (or its account) is on the run's revocation list")

@@ -19,7 +19,7 @@ from agora_core.errors import Forbidden, RpcError, Unauthenticated
 class Access:
     anonymous: bool = False  # callers without a credential may call it too
     roles: frozenset[str] | None = None  # None: any credentialed role
-    stage: int | None = None  # callers of these roles must hold a credential for this stage
+    stage: int | None = None  # workers among the callers must hold a credential for this stage
 
     def refusal(self, identity: PeerIdentity | None, method: str) -> RpcError | None:
         """Why ``identity`` (None: an anonymous caller) may not call ``method``; None if it may."""
@@ -33,7 +33,7 @@ class Access:
         if self.roles is not None and identity.role not in self.roles:
             allowed = ", ".join(sorted(self.roles))
             return Forbidden(f"{method!r} is for {allowed} only; the caller is a {identity.role}")
-        if self.stage is not None and identity.role != AUTHORIZER_ROLE and identity.stage != self.stage:
+        if self.stage is not None and identity.role == "worker" and identity.stage != self.stage:
             return Forbidden(
                 f"{method!r} is for stage {self.stage}; the caller's credential is for stage {identity.stage}"
             )
@@ -45,7 +45,7 @@ CREDENTIALED = Access()
 
 
 def only(roles: Iterable[str], *, stage: int | None = None) -> Access:
-    """Access for ``roles`` (and, with ``stage``, their credentials for that stage)."""
+    """Access for ``roles`` (and, with ``stage``, workers of that stage only)."""
     return Access(roles=frozenset(roles), stage=stage)
 
 

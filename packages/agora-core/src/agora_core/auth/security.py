@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from agora_core.addresses import normalize_address
 from agora_core.admission.credential import CredentialError
 from agora_core.auth.curve import curve_keypair, curve_public_key
 from agora_core.auth.peers import PeerIdentity, PeerVerifier
@@ -113,7 +114,9 @@ class TransportSecurity:
             credential = fields.get("credential")
             if credential is None and public_key != self.verifier.authorizer_key:
                 if not anonymous_ok:
-                    raise Unauthenticated("no credential: this node serves credentialed nodes of the run only")
+                    raise Unauthenticated(
+                        "no credential: this node serves credentialed nodes of the run only"
+                    )
             else:
                 try:
                     self._callers[user_id] = self.verifier.identify(public_key, credential)
@@ -126,7 +129,11 @@ class TransportSecurity:
         return self.hello()
 
     def _check_clock(self, their_time: Any, whose: str) -> None:
-        if isinstance(their_time, bool) or not isinstance(their_time, (int, float)) or their_time != their_time:
+        if (
+            isinstance(their_time, bool)
+            or not isinstance(their_time, (int, float))
+            or their_time != their_time
+        ):
             raise Unauthenticated("a greeting carries the sender's wall-clock time")
         skew = their_time - time.time()
         if abs(skew) > self.max_clock_skew_s:
@@ -144,10 +151,10 @@ class TransportSecurity:
     def expect(self, address: str, public_key: bytes, *, credentialed: bool = True) -> None:
         """The node at ``address`` holds ``public_key`` (and, unless ``credentialed`` is False —
         a joiner the authorizer dials back — a credential of the run)."""
-        self._expected[address] = (public_key, credentialed)
+        self._expected[normalize_address(address)] = (public_key, credentialed)
 
     def forget(self, address: str) -> None:
-        self._expected.pop(address, None)
+        self._expected.pop(normalize_address(address), None)
 
     def add_resolver(self, resolver: Resolver) -> None:
         """Another source of address -> key (the DHT's member table)."""
@@ -155,6 +162,7 @@ class TransportSecurity:
 
     def server_key(self, address: str) -> tuple[bytes, bool]:
         """The key expected at ``address``; PeerRefused when no source knows one."""
+        address = normalize_address(address)
         known = self._expected.get(address)
         if known is not None:
             return known

@@ -29,6 +29,9 @@ class AdmissionConfig:
     # --- credentials --------------------------------------------------------------------
     credential_lifetime_s: float = 600.0  # refreshed at two thirds of it
     request_max_age_s: float = 60.0  # a request whose timestamp is further off is stale
+    # how far two nodes' clocks may disagree: a peer whose greeting's time is further off
+    # is refused (fix its clock), and credentials are valid this much either side of their life
+    max_clock_skew_s: float = 10.0
     # --- the queue: a token bucket releases queued nodes in arrival order -----------------
     admissions_per_minute: float = 30.0  # 0: no rate limit
     admission_burst: int = 4  # admissions the bucket holds when idle
@@ -56,7 +59,7 @@ class AdmissionConfig:
                 'mode "authorized" needs the authorizer\'s 64-hex-digit Ed25519 public key '
                 "(agora-authorizer keygen prints it)",
             )
-        for name in ("credential_lifetime_s", "request_max_age_s"):
+        for name in ("credential_lifetime_s", "request_max_age_s", "max_clock_skew_s"):
             require(getattr(self, name) > 0, name, "must be positive")
         for name in (
             "admissions_per_minute",

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from agora_core.addresses import normalize_address
 from agora_core.auth.curve import curve_public_key
 from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
@@ -30,7 +31,7 @@ from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.streams import ClientStream
-from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket, normalize_address
+from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
 from agora_core.rpc.types import RpcConfig, Traffic
 from agora_core.wire import Kind, Message, check_header, decode_tensors, encode, unpack_header
 
@@ -43,7 +44,9 @@ _CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (r
 # protocol error), or its ZAP handler refused our key (auth)
 _HANDSHAKE_FAILED = {
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "the node there does not hold the key expected of it",
-    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "the secure handshake broke (is the node there in an open run?)",
+    int(
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    ): "the secure handshake broke (is the node there in an open run?)",
     int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the node there refused this node's key",
 }
 _HANDSHAKE_MASK = _HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED

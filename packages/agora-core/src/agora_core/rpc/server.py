@@ -17,6 +17,7 @@ from typing import Union
 
 import zmq
 
+from agora_core.addresses import normalize_address
 from agora_core.auth.access import ANYONE, CREDENTIALED, Access
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
 from agora_core.auth.zap import zap_handler
@@ -36,7 +37,7 @@ from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.streams import ServerStream
-from agora_core.rpc.transport import SocketPump, context, frames_nbytes, new_socket, normalize_address
+from agora_core.rpc.transport import SocketPump, context, frames_nbytes, new_socket
 from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 from agora_core.wire import (
     Kind,
@@ -213,8 +214,21 @@ class RpcServer:
             self._zap_domain = None
 
     async def _on_hello(self, request: Request) -> Payload:
+        raise HandlerFailed("greetings are answered as they arrive")  # see _greet
+
+    def _greet(self, identity: bytes, rid: int, user_id: str | None, meta) -> None:
+        """Answer a greeting at once, not in a task of its own: the calls the caller sends
+        right after it on the same connection must find it already credentialed."""
         anonymous_ok = any(h.access.anonymous for m, h in self._handlers.items() if m != HELLO_METHOD)
-        return Payload(self.security.greet(request.user_id, request.meta, anonymous_ok=anonymous_ok))
+        try:
+            answer = self.security.greet(user_id, meta, anonymous_ok=anonymous_ok)
+        except RpcError as exc:
+            self._reject(exc.code)
+            return self._reply_error(identity, rid, exc)
+        reply = Message(kind=Kind.RESPONSE, request_id=rid, meta=answer)
+        task = asyncio.get_running_loop().create_task(self._send(identity, reply))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def __aenter__(self) -> RpcServer:
         await self.start()
@@ -288,6 +302,8 @@ class RpcServer:
             user_id = first.get("User-Id")
             caller = self.security.caller(user_id, time.time())
             sender = caller.node_id if caller is not None else ""
+            if message.method == HELLO_METHOD:
+                return self._greet(identity, rid, user_id, message.meta)
             refusal = handler.access.refusal(caller, message.method)
             if refusal is not None:
                 self._reject(refusal.code)

@@ -59,15 +59,6 @@ def frames_nbytes(frames: Sequence) -> int:
     return total
 
 
-def normalize_address(address: str) -> str:
-    """``host:port`` or ``tcp://host:port``; port ``0`` or ``*`` means any free port on bind."""
-    if "://" not in address:
-        address = f"tcp://{address}"
-    if address.startswith("tcp://") and address.endswith(":0"):
-        address = address[:-2] + ":*"
-    return address
-
-
 def new_socket(kind: int, config: RpcConfig) -> zmq.Socket:
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

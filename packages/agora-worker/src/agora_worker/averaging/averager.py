@@ -83,7 +83,7 @@ class Averager:
         self._record_ttl_s = record_ttl_s
         # Senders may reach this peer before it formed its group: they wait up to one window.
         # Streams get the RPC node's window and compression ([transport]).
-        self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0)
+        self.board = ReductionBoard(server, early_wait_s=config.matchmaking_window_s + 5.0, stage=stage)
         self._last_round_samples = 0
         self.active_round: int | None = None
         self.active_group_size: int | None = None  # once the running round's group is formed

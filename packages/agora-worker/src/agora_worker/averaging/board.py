@@ -12,6 +12,7 @@ import collections
 
 import numpy as np
 
+from agora_core.auth.access import only
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError
 from agora_core.rpc import Payload, RpcServer
@@ -64,13 +65,16 @@ class ReductionBoard:
     refused with BadRequest: the sender then knows it was left out.
     """
 
-    def __init__(self, server: RpcServer, *, early_wait_s: float):
+    def __init__(self, server: RpcServer, *, early_wait_s: float, stage: int):
         self.reductions: dict[tuple[int, int], SliceReduction] = {}
         self._opened: dict[int, asyncio.Event] = {}
         self._closed: collections.deque[int] = collections.deque(maxlen=64)  # recent rounds
         self._early_wait_s = early_wait_s
         # Senders' chunks in flight: the node's stream window ([transport] stream_window).
-        server.register(Method.AVERAGING_REDUCE, self._on_stream, stream=True)
+        # In an authorized run only workers of this stage may stream to it.
+        server.register(
+            Method.AVERAGING_REDUCE, self._on_stream, stream=True, access=only(("worker",), stage=stage)
+        )
 
     def open(self, reductions: list[SliceReduction], round_index: int) -> None:
         for reduction in reductions:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core.auth.access import only
 from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, NotServing
@@ -83,9 +84,11 @@ class StateDonor:
             "agora_state_snapshots_total", "State snapshots taken for joiners."
         )
 
-    def register(self, server: RpcServer) -> None:
-        server.register(Method.STATE_MANIFEST, self._on_manifest)
-        server.register(Method.STATE_FETCH, self._on_fetch)
+    def register(self, server: RpcServer, *, stage: int) -> None:
+        """Serve the state to joining workers of ``stage`` (and the operator's export tools)."""
+        access = only(("worker", "operator"), stage=stage)
+        server.register(Method.STATE_MANIFEST, self._on_manifest, access=access)
+        server.register(Method.STATE_FETCH, self._on_fetch, access=access)
 
     def close(self) -> None:
         """Drop every snapshot (the worker stops)."""

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import click
 
+from agora_core.admission.credential import SignedCredential
+from agora_core.admission.credential_file import load_credential
 from agora_core.config import RunConfig, load_run_config, parse_run_config
 from agora_core.contract import Phase
 from agora_core.errors import AgoraError, ConfigError
@@ -126,8 +128,23 @@ async def serving_replicas(node: RunNode, run: RunConfig, stage: int) -> list[tu
     return sorted(replicas, key=lambda r: -r[1])
 
 
-async def from_live(run: RunConfig, bootstrap: str, *, timeout_s: float) -> ExportedModel:
-    node = RunNode(run=run, key=NodeKey.generate(), metrics=NodeMetrics(role="export"), bootstrap=[bootstrap])
+async def from_live(
+    run: RunConfig,
+    bootstrap: str,
+    *,
+    timeout_s: float,
+    key: NodeKey | None = None,
+    credential: SignedCredential | None = None,
+) -> ExportedModel:
+    """Export from the serving workers of a live run; in an authorized run as ``key``, with
+    an operator ``credential`` (agora-authorizer credential --role operator)."""
+    node = RunNode(
+        run=run,
+        key=key or NodeKey.generate(),
+        metrics=NodeMetrics(role="export"),
+        bootstrap=[bootstrap],
+        credential=credential,
+    )
     await node.start()
     one_replica = dataclasses.replace(run.join, max_donors=1)  # every tensor of a stage from one replica
     try:
@@ -191,7 +208,16 @@ async def from_live(run: RunConfig, bootstrap: str, *, timeout_s: float) -> Expo
     show_default=True,
     help="Live export: give up after this.",
 )
-def main(checkpoint_dirs, bootstrap, config_file, out, timeout_s) -> None:
+@click.option(
+    "--key-file", type=click.Path(dir_okay=False), help="Live export, authorized run: this tool's key."
+)
+@click.option(
+    "--credential",
+    "credential_file",
+    type=click.Path(dir_okay=False),
+    help="Live export, authorized run: the key's operator credential (agora-authorizer credential).",
+)
+def main(checkpoint_dirs, bootstrap, config_file, out, timeout_s, key_file, credential_file) -> None:
     """Assemble a run's trained model (one replica per stage) into one safetensors file."""
     configure_logging(fmt="console", level="warning")
     if bool(checkpoint_dirs) == bool(bootstrap):
@@ -204,10 +230,25 @@ def main(checkpoint_dirs, bootstrap, config_file, out, timeout_s) -> None:
         else:
             if run is None:
                 raise click.UsageError("a live export needs --config (the run's DHT settings and name)")
-            model = asyncio.run(from_live(run, bootstrap, timeout_s=timeout_s))
+            key, credential = None, None
+            if run.admission.authorized:
+                if not (key_file and credential_file):
+                    raise click.UsageError(
+                        "a live export from an authorized run needs --key-file and --credential"
+                    )
+                key = NodeKey.load(key_file)
+                credential = load_credential(
+                    credential_file,
+                    authorizer_public_key=run.admission.authorizer_key_bytes,
+                    run=run.name,
+                    public_key=key.public_key,
+                )
+            model = asyncio.run(
+                from_live(run, bootstrap, timeout_s=timeout_s, key=key, credential=credential)
+            )
         model.modules()  # every stage loads into the run's model: the file is usable
         write_model(out, model)
-    except (ExportFailed, ModelFileError, ConfigError, OSError) as exc:
+    except (ExportFailed, ModelFileError, AgoraError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     size_mb = out.stat().st_size / 1e6

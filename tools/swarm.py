@@ -258,7 +258,7 @@ def up(
             f"  trainers   {trainers} started on {len(shard_files)} shards ({kept.stem} held out); "
             f"status every {status_interval:g} s (Ctrl-C stops the swarm)"
         )
-        asyncio.run(watch(run, swarm.seed_address, trainer_procs, started, duration, status_interval))
+        asyncio.run(watch(swarm, trainer_procs, started, duration, status_interval))
     except KeyboardInterrupt:
         click.echo("stopping the swarm ...")
     finally:

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import click
 
+from agora_core.admission.credential import SignedCredential
 from agora_core.config import load_run_config
 from agora_core.config.dump import dump_toml
+from agora_core.identity import NodeKey
 
 ACCOUNT = "swarm"  # the one account every node of a local swarm joins under
 CLI_TIMEOUT_S = 60.0  # one agora-authorizer command (keygen, account add, pin, status)
@@ -92,6 +94,27 @@ def serve_args(run_dir: Path, config: str, seed_address: str) -> list[str]:
         *("--config", config, "--db", db_url(run_dir), "--key-file", str(key_file(run_dir))),
         *("--bootstrap", seed_address, "--allow-local-build"),
     ]
+
+
+def operator_credential(run_dir: Path, config: str, key: NodeKey, role: str) -> SignedCredential:
+    """A credential of ``role`` for ``key`` (the seed's, the status reader's), issued with
+    the swarm's authorizer key and recorded in its database (in this process: no CLI)."""
+    from agora_authorizer.cli_credential import DEFAULT_LIFETIME_S, issue_operator_credential
+    from agora_authorizer.store import Store
+
+    store = Store.open(db_url(run_dir))
+    try:
+        return issue_operator_credential(
+            store,
+            run=load_run_config(config),
+            authorizer=NodeKey.load(key_file(run_dir)),
+            node=key,
+            role=role,
+            stage=None,
+            lifetime_s=DEFAULT_LIFETIME_S,
+        )
+    finally:
+        store.close()
 
 
 def node_flags(authorizer_address: str) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 import swarm_authorizer
+from agora_core.admission.credential_file import save_credential
 from agora_core.identity import NodeKey
 
 STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
@@ -128,22 +129,18 @@ def start_seed(swarm: SwarmFile) -> subprocess.Popen:
     """Start the DHT seed and record it; ``swarm.seed_address`` is set once it serves."""
     run_dir = Path(swarm.run_dir)
     log = run_dir / "logs" / "dht.log"
-    proc = spawn(
-        [
-            "-m",
-            "agora_core",
-            "dht",
-            "serve",
-            "--config",
-            swarm.config,
-            "--key-file",
-            str(run_dir / "keys" / "dht.key"),
-        ],
-        log,
-    )
+    key_path = run_dir / "keys" / "dht.key"
+    args = ["-m", "agora_core", "dht", "serve", "--config", swarm.config, "--key-file", str(key_path)]
+    key = NodeKey.load_or_create(key_path)
+    if swarm.authorized:  # an operator's seed: a credential of role dht, from the swarm's authorizer
+        credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "dht")
+        args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
+    proc = spawn(args, log)
     member = Member("dht", "dht", proc.pid, str(log))
     swarm.members.append(member)
-    swarm.seed_address = wait_serving(member, proc)
+    address = wait_serving(member, proc)
+    # in an authorized swarm the bootstrap address names the seed's key: <hex key>@address
+    swarm.seed_address = f"{key.public_key.hex()}@{address}" if swarm.authorized else address
     swarm.save()
     return proc
 

@@ -22,9 +22,11 @@ import click
 import swarm_authorizer
 from agora_core.config import load_run_config
 from agora_core.contract import Phase
-from agora_core.dht import DhtNode, RecordRejected
+from agora_core.dht import RecordRejected
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
+from agora_core.metrics import NodeMetrics
+from agora_core.run_node import RunNode
 from agora_core.schema import (
     StageProgress,
     TrainerProgress,
@@ -35,7 +37,7 @@ from agora_core.schema import (
     stage_workers_key,
     trainer_progress_key,
 )
-from swarm_processes import alive
+from swarm_processes import SwarmFile, alive
 
 T = TypeVar("T")
 
@@ -48,19 +50,33 @@ def averaging_summary(value: Any) -> dict:
 
 
 class StatusReader:
-    """A light DHT member of the swarm that reads what the nodes publish."""
+    """A light DHT member of the swarm that reads what the nodes publish (in an authorized
+    swarm with a monitor credential of its own, from the swarm's authorizer)."""
 
-    def __init__(self, run, seed_address: str):
-        self.run = run
-        self.node = DhtNode(key=NodeKey.generate(), config=run.dht, bootstrap=[seed_address])
+    def __init__(self, swarm: SwarmFile):
+        self.run = run = load_run_config(swarm.config)
+        key = NodeKey.generate()
+        credential = None
+        if swarm.authorized:
+            credential = swarm_authorizer.operator_credential(
+                Path(swarm.run_dir), swarm.config, key, "monitor"
+            )
+        self.run_node = RunNode(
+            run=run,
+            key=key,
+            metrics=NodeMetrics(role="monitor"),
+            bootstrap=[swarm.seed_address],
+            credential=credential,
+        )
+        self.node = self.run_node.dht
         self._last: tuple[float, int] | None = None
 
     async def __aenter__(self) -> StatusReader:
-        await self.node.start()
+        await self.run_node.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.node.stop()
+        await self.run_node.stop()
 
     async def _values(self, key: str, parse: Callable[[Any], T]) -> list[T]:
         """The entries under ``key`` that ``parse`` accepts; none while the DHT does not answer."""
@@ -116,15 +132,14 @@ def format_status(s: dict, elapsed: float) -> str:
 
 
 async def watch(
-    run,
-    seed_address: str,
+    swarm: SwarmFile,
     trainers: list[subprocess.Popen],
     started: float,
     duration: float | None,
     interval: float,
 ) -> None:
     """A status line every ``interval`` s until the trainers exit or ``duration`` s pass."""
-    async with StatusReader(run, seed_address) as reader:
+    async with StatusReader(swarm) as reader:
         while True:
             deadline = time.monotonic() + interval
             while time.monotonic() < deadline:
@@ -163,10 +178,9 @@ def describe_swarm(swarm) -> list[str]:
         lines.append(f"  {m.role:<10} {m.name:<11} {stage:<8} pid {m.pid:<7} {state:<8} {m.address}")
     running = any(m.role == "dht" and m.alive and alive(m.pid) for m in swarm.members)
     if running and swarm.seed_address:
-        run = load_run_config(swarm.config)
 
         async def once() -> dict:
-            async with StatusReader(run, swarm.seed_address) as reader:
+            async with StatusReader(swarm) as reader:
                 return await reader.snapshot()
 
         with contextlib.suppress(AgoraError, TimeoutError, OSError):

@@ -83,7 +83,13 @@ def register(main: click.Group, db_option, open_store) -> None:
         store = open_store(db, key_file)
         try:
             signed = issue_operator_credential(
-                store, run=run, authorizer=authorizer, node=node, role=role, stage=stage, lifetime_s=lifetime_s
+                store,
+                run=run,
+                authorizer=authorizer,
+                node=node,
+                role=role,
+                stage=stage,
+                lifetime_s=lifetime_s,
             )
         except Banned as exc:
             fail(str(exc), code=1)

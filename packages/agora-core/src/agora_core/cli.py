@@ -13,10 +13,11 @@ import click
 import numpy as np
 
 from agora_core import __version__
+from agora_core.admission.credential_file import load_credential
+from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import NodeSettings
 from agora_core.config.unimplemented import NOT_IMPLEMENTED
 from agora_core.contract import Method
-from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
@@ -30,7 +31,7 @@ from agora_core.node_cli import (
     status_interval_option,
 )
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
-from agora_core.run_node import rpc_config
+from agora_core.run_node import RunNode
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -200,25 +201,42 @@ def dht() -> None:
     """The run's gossip DHT."""
 
 
-async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: float, duration_s) -> None:
+async def _serve_dht(
+    settings: NodeSettings, run, bootstrap, status_interval_s: float, duration_s, credential_file
+) -> None:
     log = get_logger("dht.cli")
     key = NodeKey.load_or_create(settings.key_file)
     metrics = NodeMetrics(role="dht", instance=key.node_id[:12])
-    link = settings.link_emulator()
-    node = DhtNode(
+    credential = None
+    if run.admission.authorized:
+        if not credential_file:
+            raise ConfigError(
+                "--credential",
+                "a DHT node of an authorized run needs its credential "
+                "(agora-authorizer credential --role dht --node-key KEY --out FILE)",
+            )
+        credential = load_credential(
+            credential_file,
+            authorizer_public_key=run.admission.authorizer_key_bytes,
+            run=run.name,
+            public_key=key.public_key,
+        )
+    run_node = RunNode(
+        run=run,
         key=key,
-        config=run.dht,
+        metrics=metrics,
         listen=settings.listen,
         advertise=settings.advertise,
         bootstrap=bootstrap,
-        rpc_config=rpc_config(run.transport),
-        link=link,
-        metrics=metrics,
+        link=settings.link_emulator(),
+        credential=credential,
     )
-    address = await node.start()
+    node = run_node.dht
+    address = await run_node.start()
     endpoint = metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
     click.echo(f"agora dht node {key.node_id}")
     click.echo(f"  serving    {address}", nl=True)
+    click.echo(f"  bootstrap  {key.public_key.hex()}@{address}")  # what other nodes pass --bootstrap
     click.echo(f"  members    {len(node.members())}")
     if endpoint is not None:
         click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
@@ -251,10 +269,14 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
                 bytes_per_s=round((traffic[1] - last_traffic[1]) / max(now - last_t, 1e-9)),
             )
             last_ops, last_traffic, last_t = ops, traffic, now
+            if run_node.security is not None:  # drop peers the authorizer banned
+                with contextlib.suppress(AgoraError, TimeoutError):
+                    found = await node.get(revocations_key(run.name))
+                    run_node.observe_revocations(parse_revocations(found, run.admission.authorizer_key_bytes))
             if duration_s is not None and now - started >= duration_s:
                 break
     finally:
-        await node.stop(leave=True)
+        await run_node.stop()
         if endpoint is not None:
             endpoint.close()
         click.echo("stopped")
@@ -267,12 +289,20 @@ async def _serve_dht(settings: NodeSettings, run, bootstrap, status_interval_s: 
 )
 @status_interval_option("status log lines")
 @click.option("--duration", "duration_s", type=float, help="Leave and stop after this many seconds.")
-def dht_serve(config_file, status_interval_s, duration_s, bootstrap, **options) -> None:
+@click.option(
+    "--credential",
+    "credential_file",
+    type=click.Path(dir_okay=False),
+    help="This node's credential file, in an authorized run (agora-authorizer credential --role dht).",
+)
+def dht_serve(config_file, status_interval_s, duration_s, bootstrap, credential_file, **options) -> None:
     """Run a DHT node (a seed when --bootstrap is not given) until Ctrl-C."""
     settings = resolve_node(options)
     run = load_config(config_file)
     configure_logging(fmt=settings.log_format, level=settings.log_level)
     try:
-        asyncio.run(_serve_dht(settings, run, list(bootstrap), status_interval_s, duration_s))
+        asyncio.run(
+            _serve_dht(settings, run, list(bootstrap), status_interval_s, duration_s, credential_file)
+        )
     except (OSError, AgoraError) as exc:
         fail(str(exc), code=1)

@@ -97,6 +97,8 @@ class RunNode:
         self.client = RpcClient(
             config=rpc, link=link, metrics=metrics, node_id=key.node_id, security=self.security
         )
+        if self.security is not None:
+            self.security.add_resolver(self._member_key)
         validators = Validators()
         register_validators(validators, run.name, run.admission.authorizer_key_bytes)
         self.dht = DhtNode(
@@ -133,6 +135,16 @@ class RunNode:
             if address not in addresses:
                 addresses.append(address)  # the authorizer is a member: it can let a node in too
         return addresses
+
+    def _member_key(self, address: str) -> bytes | None:
+        """The key of the DHT member at ``address`` (the transport dials only known keys)."""
+        table = self.dht.table
+        if table is None:
+            return None
+        for member in table.live():
+            if member.address == address:
+                return member.public_key
+        return None
 
     def credential_value(self) -> Any:
         """This node's credential as the wire carries it (None before it has one)."""

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agora_core.admission.node_admission import NodeAdmission, OpenAdmission, parse_revocations
-from agora_core.admission.revocations import revocations_key
+from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
+from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import RunConfig, require
 from agora_core.dht import DhtError
 from agora_core.dht.owned import OwnedEntry, check_refresh

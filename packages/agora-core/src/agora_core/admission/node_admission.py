@@ -21,7 +21,7 @@ import asyncio
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,10 +30,10 @@ from agora_core.admission.credential import SignedCredential
 from agora_core.admission.join_client import Admission, AdmissionRefused, JoinStatus
 from agora_core.admission.join_request import HardwareReport, JoinRequest
 from agora_core.admission.keeper import CredentialKeeper
-from agora_core.admission.revocations import Revocations, revocations_key
+from agora_core.admission.revocations import Revocations, parse_revocations, revocations_key
 from agora_core.admission.software import software_report
 from agora_core.config import NodeSettings, RunConfig
-from agora_core.dht import DhtError, DhtNode, DhtValue, RecordRejected, owned_subkey
+from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
@@ -66,18 +66,6 @@ def cpu_hardware() -> HardwareReport:
         host_memory_bytes=memory,
         cpu_count=os.cpu_count() or 0,
     )
-
-
-def parse_revocations(values: Mapping[str, DhtValue], authorizer_key: bytes) -> Revocations | None:
-    """The revocation list among the entries under ``<run>/revocations``: the one in the
-    authorizer's own subkey (None when there is none, or it is malformed)."""
-    entry = values.get(owned_subkey(authorizer_key))
-    if entry is None or entry.owner != authorizer_key:
-        return None
-    try:
-        return Revocations.from_value(entry.value)
-    except RecordRejected:
-        return None
 
 
 class OpenAdmission:

@@ -9,10 +9,11 @@ to outlive the banned node's last credential, so the list stays short.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agora_core.dht.records import RecordRejected, subkey_owner
+from agora_core.dht.records import RecordRejected, owned_subkey, subkey_owner
 
 MAX_ENTRIES = 4096
 
@@ -58,3 +59,15 @@ def check_revocations(authorizer_public_key: bytes | None):
             Revocations.from_value(value)
 
     return check
+
+
+def parse_revocations(values: Mapping[str, Any], authorizer_key: bytes) -> Revocations | None:
+    """The revocation list among the entries under ``<run>/revocations``: the one in the
+    authorizer's own subkey (None when there is none, or it is malformed)."""
+    entry = values.get(owned_subkey(authorizer_key))
+    if entry is None or entry.owner != authorizer_key:
+        return None
+    try:
+        return Revocations.from_value(entry.value)
+    except RecordRejected:
+        return None

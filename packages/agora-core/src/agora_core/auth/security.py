@@ -64,6 +64,7 @@ class TransportSecurity:
         max_clock_skew_s: float = 10.0,
         refused_for_s: float = 30.0,
         recheck_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ):
         self.key = key
         self.verifier = verifier
@@ -71,6 +72,7 @@ class TransportSecurity:
         self.max_clock_skew_s = max_clock_skew_s
         self.refused_for_s = refused_for_s
         self.recheck_s = recheck_s  # how often a client looks at its peers' credentials
+        self.clock = clock  # the wall clock this node presents and checks others' against
         self.curve_public, self.curve_secret = curve_keypair(key)
         self._callers: dict[str, PeerIdentity] = {}  # hex X25519 key -> identity (greeted)
         self._refused: dict[bytes, float] = {}  # X25519 key -> refused until (monotonic; inf)
@@ -135,7 +137,7 @@ class TransportSecurity:
             or their_time != their_time
         ):
             raise Unauthenticated("a greeting carries the sender's wall-clock time")
-        skew = their_time - time.time()
+        skew = their_time - self.clock()
         if abs(skew) > self.max_clock_skew_s:
             raise Unauthenticated(
                 f"{whose} clock is {skew:+.1f} s off this node's, beyond the run's limit of "
@@ -146,7 +148,7 @@ class TransportSecurity:
 
     def hello(self) -> dict:
         """What this node presents on a connection (either end)."""
-        return {"public_key": self.key.public_key, "credential": self.credential(), "time": time.time()}
+        return {"public_key": self.key.public_key, "credential": self.credential(), "time": self.clock()}
 
     def expect(self, address: str, public_key: bytes, *, credentialed: bool = True) -> None:
         """The node at ``address`` holds ``public_key`` (and, unless ``credentialed`` is False —

@@ -1,0 +1,326 @@
+"""Authenticated transport in an authorized run: every connection is a CURVE session whose
+both ends present a credential of the run, checked against the run's authorizer key.
+
+The refusals are checked against a real DHT node process (``agora dht serve`` with an
+operator credential, as a seed runs); the rest against servers in this process, on real
+sockets on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import pytest
+
+from agora_core.admission.credential import Credential, SignedCredential, issue_credential
+from agora_core.admission.credential_file import save_credential
+from agora_core.admission.revocations import Revocations, revocations_key
+from agora_core.auth import PeerVerifier
+from agora_core.auth.access import only
+from agora_core.auth.security import TransportSecurity
+from agora_core.config import parse_run_config
+from agora_core.config.dump import dump_toml
+from agora_core.contract import Method
+from agora_core.dht import owned_subkey
+from agora_core.errors import Forbidden, PeerRefused, RpcError, Unauthenticated
+from agora_core.identity import NodeKey
+from agora_core.metrics import NodeMetrics
+from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_core.run_node import RunNode
+from agora_core.testing import poll_until, spawn_python
+
+AUTHORIZER = NodeKey.generate()
+RUN = "auth-test"
+
+
+def run_config():
+    run = parse_run_config(
+        f'name = "{RUN}"\n[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 4\nstage_layers = [1, 1]\n'
+    )
+    admission = dataclasses.replace(
+        run.admission, mode="authorized", authorizer_public_key=AUTHORIZER.public_key.hex()
+    )
+    return dataclasses.replace(run, admission=admission)
+
+
+def credential(
+    key: NodeKey, *, run: str = RUN, lifetime_s: float = 600.0, role: str = "worker", stage: int | None = 0
+) -> SignedCredential:
+    issued = time.time()
+    fields = Credential(
+        run=run,
+        node_id=key.node_id,
+        public_key=key.public_key,
+        role=role,
+        stage=stage,
+        issued=issued,
+        expires=issued + lifetime_s,
+        serial=int(issued * 1000) % (1 << 40),
+        account="tests",
+    )
+    return issue_credential(AUTHORIZER, fields)
+
+
+def security(key: NodeKey, held: SignedCredential | None, **options) -> TransportSecurity:
+    skew = options.pop("max_clock_skew_s", 10.0)
+    verifier = PeerVerifier(run=RUN, authorizer_key=AUTHORIZER.public_key, max_clock_skew_s=skew)
+    value = None if held is None else held.to_value()
+    return TransportSecurity(
+        key=key, verifier=verifier, credential=lambda: value, max_clock_skew_s=skew, **options
+    )
+
+
+@dataclasses.dataclass
+class Seed:
+    address: str
+    key: NodeKey
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    """A real DHT node process of the authorized run, holding a credential of role dht."""
+    directory = tmp_path_factory.mktemp("seed")
+    key = NodeKey.generate()
+    key.save(directory / "seed.key")
+    config = directory / "run.toml"
+    config.write_text(dump_toml(run_config()))
+    held = save_credential(credential(key, role="dht", stage=None), directory / "seed.credential")
+    args = [
+        "-m",
+        "agora_core",
+        "dht",
+        "serve",
+        "--config",
+        str(config),
+        "--key-file",
+        str(directory / "seed.key"),
+    ]
+    args += ["--credential", str(held), "--status-interval", "0.3", "--log-format", "json"]
+    with spawn_python(args) as child:
+        yield Seed(child.read_until("  serving    ", timeout_s=60), key)
+
+
+@contextlib.asynccontextmanager
+async def client_of(key: NodeKey, held: SignedCredential | None, expect: tuple[str, bytes], **options):
+    client = RpcClient(security=security(key, held, **options), node_id=key.node_id)
+    client.security.expect(*expect)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_peers_without_a_valid_credential_are_refused_at_connect(seed):
+    expect = (seed.address, seed.key.public_key)
+    honest = NodeKey.generate()
+    async with client_of(honest, credential(honest), expect) as client:
+        reply = await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
+        assert isinstance(reply.meta["members"], list)  # the control: a credentialed peer is served
+    thief = NodeKey.generate()
+    cases = {
+        "none": (NodeKey.generate(), None),
+        "other_run": (other := NodeKey.generate(), credential(other, run="another-run")),
+        "expired": (late := NodeKey.generate(), credential(late, lifetime_s=-60.0)),
+        "wrong_key": (thief, credential(honest)),  # a stolen credential, presented with another key
+    }
+    for why, (key, held) in cases.items():
+        async with client_of(key, held, expect) as client:
+            with pytest.raises(PeerRefused) as refused:
+                await client.connect(seed.address)
+            assert why.replace("_", " ") in str(refused.value).replace("_", " ") or why == "none", (
+                refused.value
+            )
+            with pytest.raises(PeerRefused):  # and at the handshake from then on
+                await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
+
+
+async def test_a_server_that_is_not_the_node_expected_at_its_address_is_refused(seed):
+    key = NodeKey.generate()
+    impersonated = NodeKey.generate()  # the member the caller believes is there
+    async with client_of(key, credential(key), (seed.address, impersonated.public_key)) as client:
+        with pytest.raises(PeerRefused) as refused:
+            await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
+        assert "does not hold the key" in str(refused.value)
+
+
+async def test_a_revoked_peer_is_dropped_and_refused_once_the_list_reaches_the_node(seed):
+    key = NodeKey.generate()
+    authorizer = RunNode(
+        run=run_config(),
+        key=AUTHORIZER,
+        metrics=NodeMetrics(role="authorizer"),
+        bootstrap=[f"{seed.key.public_key.hex()}@{seed.address}"],
+    )
+    await authorizer.start()
+    try:
+        async with client_of(key, credential(key), (seed.address, seed.key.public_key)) as client:
+            await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
+            revoked = Revocations(nodes=(key.node_id,), updated=time.time())
+            await authorizer.dht.store(
+                revocations_key(RUN),
+                owned_subkey(AUTHORIZER.public_key),
+                revoked.to_value(),
+                time.time() + 60,
+                signer=AUTHORIZER,
+            )
+
+            async def refused() -> bool:
+                try:
+                    await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
+                except Unauthenticated:
+                    return True
+                return False
+
+            # the seed reads the list every status line (0.3 s here)
+            await poll_until(refused, timeout_s=20, what="the revoked peer's calls refused")
+        async with client_of(key, credential(key), (seed.address, seed.key.public_key)) as again:
+            with pytest.raises(PeerRefused):
+                await again.connect(seed.address)
+    finally:
+        await authorizer.stop()
+
+
+@contextlib.asynccontextmanager
+async def echo_server(*, access=None, **options):
+    key = NodeKey.generate()
+    server = RpcServer(security=security(key, credential(key), **options), node_id=key.node_id)
+    calls = []
+
+    async def echo(request):
+        calls.append(request.sender)
+        return Payload({"sender": request.sender})
+
+    server.register("echo", echo, **({} if access is None else {"access": access}))
+    await server.start()
+    try:
+        yield server, key, calls
+    finally:
+        await server.stop()
+
+
+async def test_the_sender_a_handler_sees_is_the_authenticated_node_not_the_claimed_one():
+    async with echo_server() as (server, key, _calls):
+        caller = NodeKey.generate()
+        client = RpcClient(security=security(caller, credential(caller)), node_id="f" * 40)  # a lie
+        client.security.expect(server.address, key.public_key)
+        try:
+            reply = await client.call(server.address, "echo", {})
+            assert reply.meta["sender"] == caller.node_id
+        finally:
+            await client.close()
+
+
+async def test_methods_serve_only_the_roles_and_stage_they_name():
+    async with echo_server(access=only(("worker",), stage=1)) as (server, key, calls):
+        for role, stage, allowed in (("worker", 1, True), ("worker", 0, False), ("trainer", None, False)):
+            caller = NodeKey.generate()
+            async with client_of(
+                caller, credential(caller, role=role, stage=stage), (server.address, key.public_key)
+            ) as c:
+                if allowed:
+                    await c.call(server.address, "echo", {})
+                else:
+                    with pytest.raises(Forbidden):
+                        await c.call(server.address, "echo", {})
+        assert len(calls) == 1
+
+
+async def test_an_expiring_credential_ends_its_calls_unless_it_is_refreshed():
+    async with echo_server(max_clock_skew_s=0.5, recheck_s=0.2) as (server, key, _calls):
+        lapsing, renewing = NodeKey.generate(), NodeKey.generate()
+        held = {"value": credential(renewing, lifetime_s=2.0).to_value()}
+        renewer_security = security(renewing, None, max_clock_skew_s=0.5, recheck_s=0.2)
+        renewer_security.credential = lambda: held["value"]
+        renewer = RpcClient(security=renewer_security)
+        renewer.security.expect(server.address, key.public_key)
+        async with client_of(
+            lapsing,
+            credential(lapsing, lifetime_s=2.0),
+            (server.address, key.public_key),
+            max_clock_skew_s=0.5,
+        ) as lapser:
+            try:
+                await lapser.call(server.address, "echo", {})
+                await renewer.call(server.address, "echo", {})
+                held["value"] = credential(renewing, lifetime_s=60.0).to_value()
+                renewer_security.credential_changed()  # the keeper got a new one: present it
+
+                async def lapsed() -> bool:
+                    try:
+                        await lapser.call(server.address, "echo", {})
+                    except Unauthenticated:
+                        return True
+                    return False
+
+                await poll_until(lapsed, timeout_s=10, what="the lapsed credential's calls refused")
+                await renewer.call(server.address, "echo", {})  # the refreshed one is still served
+            finally:
+                await renewer.close()
+
+
+async def test_a_clock_beyond_the_runs_skew_limit_is_refused_with_a_clear_error():
+    async with echo_server() as (server, key, calls):
+        caller = NodeKey.generate()
+        async with client_of(
+            caller, credential(caller), (server.address, key.public_key), clock=lambda: time.time() + 120
+        ) as client:
+            with pytest.raises(PeerRefused) as refused:
+                await client.call(server.address, "echo", {})
+        assert "clock is +120" in str(refused.value) and "limit of 10 s" in str(refused.value)
+        assert calls == []
+
+
+async def test_a_captured_session_replayed_on_another_connection_reaches_no_handler():
+    async with echo_server() as (server, key, calls):
+        host, port = server.address.removeprefix("tcp://").rsplit(":", 1)
+        captured = bytearray()
+
+        async def relay(reader, writer, sink: bytearray | None):
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    if sink is not None:
+                        sink.extend(data)
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        async def proxy(client_reader, client_writer):
+            server_reader, server_writer = await asyncio.open_connection(host, int(port))
+            await asyncio.gather(
+                relay(client_reader, server_writer, captured), relay(server_reader, client_writer, None)
+            )
+
+        tap = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        tapped = f"tcp://127.0.0.1:{tap.sockets[0].getsockname()[1]}"
+        caller = NodeKey.generate()
+        async with client_of(caller, credential(caller), (tapped, key.public_key)) as client:
+            for _ in range(3):
+                await client.call(tapped, "echo", {"secret": "payload"})
+        tap.close()
+        assert len(calls) == 3 and b"payload" not in captured  # encrypted on the wire
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(bytes(captured))  # the whole session again, on a connection of its own
+        await writer.drain()
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(1.0):
+                while await reader.read(65536):
+                    pass
+        writer.close()
+        assert len(calls) == 3
+        async with client_of(caller, credential(caller), (server.address, key.public_key)) as client:
+            await client.call(server.address, "echo", {})  # and the server still serves
+        assert len(calls) == 4
+
+
+async def test_an_open_client_cannot_talk_to_an_authorized_node_at_all():
+    async with echo_server() as (server, _key, calls):
+        client = RpcClient(config=dataclasses.replace(RpcClient().config, connect_timeout_s=1.0))
+        try:
+            with pytest.raises(RpcError):
+                await client.call(server.address, "echo", {}, timeout_s=2)
+        finally:
+            await client.close()
+        assert calls == []

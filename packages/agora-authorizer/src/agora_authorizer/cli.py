@@ -123,16 +123,16 @@ def serve(config_file, db, key_file, listen, advertise, bootstrap, allow_local_b
         )
     extra = local_build() if allow_local_build else []
     store = open_store(db, key_file)
-    authorizer = Authorizer(
-        run=run,
-        key=key,
-        store=store,
-        listen=listen,
-        advertise=advertise,
-        bootstrap=list(bootstrap),
-        allowed_software=extra,
-    )
     try:
+        authorizer = Authorizer(
+            run=run,
+            key=key,
+            store=store,
+            listen=listen,
+            advertise=advertise,
+            bootstrap=list(bootstrap),
+            allowed_software=extra,
+        )
         asyncio.run(_serve(authorizer))
     except (AgoraError, OSError) as exc:
         fail(str(exc), code=1)

@@ -119,13 +119,14 @@ class RunNode:
             try:
                 address, public_key = parse_peer_address(spec)
             except ValueError as exc:
-                raise ConfigError(f"--bootstrap {exc}") from None
+                raise ConfigError("--bootstrap", str(exc)) from None
             address = normalize_address(address)
             if self.security is not None:
                 if public_key is None:
                     raise ConfigError(
-                        f"--bootstrap {spec}: in an authorized run a bootstrap address names its "
-                        "node's public key, as <64 hex digits>@host:port"
+                        "--bootstrap",
+                        f"{spec}: in an authorized run a bootstrap address names its node's public "
+                        "key, as <64 hex digits>@host:port",
                     )
                 self.security.expect(address, public_key)
             addresses.append(address)

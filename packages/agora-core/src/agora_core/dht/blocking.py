@@ -17,17 +17,29 @@ from agora_core.identity import NodeKey
 
 
 class BlockingDht:
-    def __init__(self, *, timeout_s: float = 30.0, **node_kwargs: Any):
-        """``node_kwargs`` are DhtNode's; ``timeout_s`` bounds every call made through here."""
+    def __init__(self, *, timeout_s: float = 30.0, run_node: dict | None = None, **node_kwargs: Any):
+        """``node_kwargs`` are DhtNode's, or ``run_node`` RunNode's (a member of a run, with
+        its transport security in an authorized one); ``timeout_s`` bounds every call."""
         self.timeout_s = timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agora-dht", daemon=True)
         self._thread.start()
-        self.node: DhtNode = self._run(self._make(node_kwargs))
+        self._run_node = None
+        if run_node is not None:
+            self._run_node = self._run(self._make_run_node(run_node))
+            self.node: DhtNode = self._run_node.dht
+        else:
+            self.node = self._run(self._make(node_kwargs))
 
     @staticmethod
     async def _make(node_kwargs: dict) -> DhtNode:
         return DhtNode(**node_kwargs)  # created on the loop that will own its sockets
+
+    @staticmethod
+    async def _make_run_node(kwargs: dict):
+        from agora_core.run_node import RunNode  # it builds on the DHT: imported when used
+
+        return RunNode(**kwargs)
 
     def _run(self, coro, timeout_s: float | None = None):
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -37,18 +49,28 @@ class BlockingDht:
             future.cancel()
             raise
 
+    def submit(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the node's loop (say, a call through ``self.client``) and wait."""
+        return self._run(coro, timeout_s)
+
+    @property
+    def client(self):
+        """The node's RPC client (authenticated as the node in an authorized run)."""
+        return self.node.client
+
     @property
     def address(self) -> str | None:
         return self.node.address
 
     def start(self) -> str:
-        return self._run(self.node.start(), self.node.config.join_timeout_s + self.timeout_s)
+        started = self.node.start() if self._run_node is None else self._run_node.start()
+        return self._run(started, self.node.config.join_timeout_s + self.timeout_s)
 
     def stop(self, *, leave: bool = True) -> None:
         if not self._loop.is_running():
             return
         try:
-            self._run(self.node.stop(leave=leave))
+            self._run(self.node.stop(leave=leave) if self._run_node is None else self._run_node.stop())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=self.timeout_s)

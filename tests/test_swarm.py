@@ -12,7 +12,6 @@ reports from the DHT (a light DHT member of the swarm), a worker's state over it
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import subprocess
@@ -28,7 +27,7 @@ from agora_core.config import load_run_config
 from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.rpc import RpcClient
+from agora_core.metrics import NodeMetrics
 from agora_core.schema import averaging_summary_key
 from agora_core.testing import wait_until
 from agora_trainer.shards import open_shards
@@ -39,6 +38,9 @@ from agora_worker.model.inference import WholeModel, held_out_loss
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
+sys.path.insert(0, str(ROOT / "tools"))
+import swarm_authorizer  # noqa: E402 (tools/ is not a package: its modules import as scripts do)
+
 SAMPLES = 1024
 LANES = "2"  # few samples in flight: steps stay close to the target batch, as in the reference
 # Bounds on each wait. A test's own timeout is their sum plus a margin, so a wait that runs
@@ -191,9 +193,24 @@ class Swarm:
 
             self.while_running(seed_known, what="the DHT seed's address in swarm.json")
             # Kept before it starts: a join that fails is still stopped (its thread, its socket).
-            self._dht = BlockingDht(key=NodeKey.generate(), config=self.run.dht, bootstrap=[seed["address"]])
+            self._dht = BlockingDht(run_node=self.member_of_run(seed["address"]))
             self._dht.start()
         return self._dht
+
+    def member_of_run(self, seed: str) -> dict:
+        """RunNode settings of a light member (an authorized swarm's with a monitor credential)."""
+        swarm = json.loads((self.run_dir / "swarm.json").read_text())
+        key, credential = NodeKey.generate(), None
+        if swarm["authorized"]:
+            credential = swarm_authorizer.operator_credential(self.run_dir, swarm["config"], key, "monitor")
+        run = load_run_config(swarm["config"])
+        return {
+            "run": run,
+            "key": key,
+            "metrics": NodeMetrics(role="test"),
+            "bootstrap": [seed],
+            "credential": credential,
+        }
 
     def averaging_reports(self, stage: int) -> list[dict]:
         """The latest averaging round each worker of ``stage`` published in the DHT."""
@@ -208,12 +225,8 @@ class Swarm:
         if not address:
             return None
 
-        async def call() -> dict:
-            async with RpcClient() as client:
-                return (await client.call(address, "worker.info", timeout_s=5)).meta
-
-        with contextlib.suppress(AgoraError, TimeoutError):
-            return asyncio.run(call())
+        with contextlib.suppress(AgoraError, TimeoutError):  # as a member: authenticated
+            return self.dht.submit(self.dht.client.call(address, "worker.info", timeout_s=5)).meta
         return None
 
     def wait_done(self) -> str:

@@ -9,11 +9,14 @@ the member's last ALIVE claim and its signature, and count only as hints.
 In an authorized run (a :class:`PeerVerifier`), a claim counts only with a valid credential
 for the member's key (the authorizer's own key needs none). Checks go cheapest first: the
 shape of the credential before any signature, then the member's signature, then the
-credential's (the verifier remembers credentials it has checked).
+credential's (the verifier remembers credentials it has checked). Claims refused after a
+signature check are remembered too (by everything they say), so gossip that repeats one costs
+one check.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 from collections.abc import Callable
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 CONTEXT = b"agora-dht-claim-v1"
 ALIVE, LEFT = 0, 3  # the statuses a member claims about itself (membership.Status values)
+REFUSED_ENTRIES = 4096  # claims remembered as refused
 
 
 def credential_digest(credential: Any) -> bytes:
@@ -74,6 +78,7 @@ class Claims:
         self.run = verifier.run if verifier is not None else ""
         self._credential = credential or (lambda: None)
         self._on_reject = on_reject or (lambda reason: None)
+        self._refused: collections.OrderedDict[tuple, str] = collections.OrderedDict()
 
     def sign(self, me: Member) -> None:
         """(Re-)sign this node's claim at its current incarnation, with its current credential."""
@@ -83,7 +88,7 @@ class Claims:
                 self.run, me.node_id, me.address, me.incarnation, claimed_status(me.status), me.credential
             )
         )
-        me.identity = self._identify(me, quiet=True)
+        me.identity = self._identify(me)
         me.expires = math.inf  # this node does not drop itself; the others check its credential
 
     def plausible(self, update: Member) -> bool:
@@ -101,33 +106,38 @@ class Claims:
         carries a valid credential for its key); sets its identity and expiry when it is."""
         if not self.plausible(update):
             return False
+        claimed = claimed_status(update.status)
+        seen = (update.node_id, update.address, update.incarnation, claimed, update.signature)
+        seen += (credential_digest(update.credential),)
+        if seen in self._refused:
+            return self._reject(self._refused[seen])
         payload = claim_payload(
-            self.run,
-            update.node_id,
-            update.address,
-            update.incarnation,
-            claimed_status(update.status),
-            update.credential,
+            self.run, update.node_id, update.address, update.incarnation, claimed, update.credential
         )
         if not verify_signature(update.public_key, payload, update.signature):
-            return self._reject("bad_claim_signature")
+            return self._refuse(seen, "bad_claim_signature")
         if self.verifier is None:
             update.identity, update.expires = None, math.inf
             return True
-        identity = self._identify(update)
-        if identity is None:
-            return False
+        try:
+            identity = self.verifier.identify(update.public_key, update.credential)
+        except CredentialError as exc:
+            return self._refuse(seen, exc.reason)
         update.identity, update.expires = identity, identity.expires
         return True
 
-    def _identify(self, member: Member, *, quiet: bool = False) -> PeerIdentity | None:
+    def _refuse(self, seen: tuple, reason: str) -> bool:
+        self._refused[seen] = reason
+        while len(self._refused) > REFUSED_ENTRIES:
+            self._refused.popitem(last=False)
+        return self._reject(reason)
+
+    def _identify(self, member: Member) -> PeerIdentity | None:
         if self.verifier is None:
             return None
         try:
             return self.verifier.identify(member.public_key, member.credential)
-        except CredentialError as exc:
-            if not quiet:
-                self._reject(exc.reason)
+        except CredentialError:
             return None
 
     def revoked(self, identity: PeerIdentity | None) -> bool:

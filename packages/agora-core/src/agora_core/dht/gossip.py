@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
+
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht.claims import Claims
@@ -28,7 +30,8 @@ from agora_core.errors import BadRequest, RpcError
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
 
-MAX_CHECKS_PER_REQUEST = 64  # claims whose signatures one incoming message may have checked
+SNAPSHOT_BYTES = 48 * 1024  # a header holds 64 KiB: larger member lists go out in random parts
+MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
 
 
 class Gossip:
@@ -176,6 +179,24 @@ class Gossip:
         self._absorb(reply.meta)
         return bool(reply.meta.get("ok")) if isinstance(reply.meta, dict) else False
 
+    def _snapshot(self) -> list[list]:
+        """The member list for a join or sync, within ``SNAPSHOT_BYTES``: when it does not fit,
+        this node first, then live members, then tombstones, each in random order, so
+        successive syncs cover all of it."""
+        entries = self.table.snapshot()
+        if len(msgpack.packb(entries, use_bin_type=True)) <= SNAPSHOT_BYTES:
+            return entries
+        me, rest = entries[0], entries[1:]
+        self._rng.shuffle(rest)
+        rest.sort(key=lambda entry: entry[4] in (Status.DEAD, Status.LEFT))
+        chosen, size = [me], len(msgpack.packb(me, use_bin_type=True))
+        for entry in rest:
+            size += len(msgpack.packb(entry, use_bin_type=True))
+            if size > SNAPSHOT_BYTES:
+                break
+            chosen.append(entry)
+        return chosen
+
     async def _on_join(self, request: Request) -> Payload:
         joiner = parse_update(request.meta.get("member") if isinstance(request.meta, dict) else None)
         if joiner is None or joiner.status != Status.ALIVE:
@@ -186,7 +207,7 @@ class Gossip:
         known = self.table.get(joiner.node_id)
         if known is None or known.status != Status.ALIVE or known.incarnation < joiner.incarnation:
             raise BadRequest("join refused: the member's signed claim or its credential does not verify")
-        return Payload({"members": self.table.snapshot()})
+        return Payload({"members": self._snapshot()})
 
     def _reply(self, **fields: Any) -> Payload:
         return Payload(
@@ -218,7 +239,7 @@ class Gossip:
         digest = self.table.digest()
         if meta.get("digest") == digest:
             return Payload({"digest": digest})
-        return Payload({"digest": digest, "members": self.table.snapshot()})
+        return Payload({"digest": digest, "members": self._snapshot()})
 
     async def sync(self) -> None:
         """Push-pull with one random member; only digests travel when both agree."""
@@ -241,7 +262,7 @@ class Gossip:
                     await self.client.call(
                         peer.address,
                         Method.DHT_SYNC,
-                        {"members": self.table.snapshot()},
+                        {"members": self._snapshot()},
                         timeout_s=self.config.op_timeout_s,
                     )
         except RpcError:

@@ -142,9 +142,10 @@ async def test_forged_reports_and_claims_neither_evict_nor_raise_a_live_member()
         me = claim(mallory, 1, credential=credential_for(mallory))
         huge = 1 << 62
         dead = [victim.node_id, victim.address, victim.key.public_key, huge, int(Status.DEAD), None, None]
-        forged_left = claim(mallory, huge, Status.LEFT)
+        stolen = victim.table.me.credential  # the victim's own credential: gossip carries it
+        forged_left = claim(mallory, huge, Status.LEFT, credential=stolen)
         forged_left[:3] = [victim.node_id, victim.address, victim.key.public_key]  # signed by mallory
-        forged_alive = claim(mallory, huge)
+        forged_alive = claim(mallory, huge, credential=stolen)
         forged_alive[:3] = [victim.node_id, "tcp://127.0.0.1:9", victim.key.public_key]
         suspect_now = [*victim.table.me.to_wire()[:4], int(Status.SUSPECT), None, None]  # at its incarnation
         probes = target.gossip.detector.probes

@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 from agora_core.config.run import DhtConfig
 from agora_core.dht.claims import Claims
+from agora_core.dht.directory import check_writer, key_for_address
 from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
-from agora_core.dht.membership import GONE, Member, MemberTable, Status
+from agora_core.dht.membership import Member, MemberTable, Status
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
 from agora_core.dht.replication import Replication
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
-from agora_core.identity import NodeKey, node_id_from_public_key
+from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcConfig, RpcServer
-from agora_core.rpc.transport import normalize_address
 
 if TYPE_CHECKING:
     from agora_core.auth.peers import PeerVerifier
@@ -228,17 +228,7 @@ class DhtNode:
         """The public key of the member advertising ``address`` (known and not forgotten,
         live ones first, the first to claim it among equals), or None: what the transport
         expects to find at an address."""
-        if self.table is None:
-            return None
-        wanted = normalize_address(address)
-        found = None
-        for member in self.table.known():
-            if member.revoked or normalize_address(member.address) != wanted:
-                continue
-            if member.status not in GONE or (self.table.leaving and member is self.table.me):
-                return member.public_key
-            found = found or member.public_key
-        return found
+        return None if self.table is None else key_for_address(self.table, address)
 
     def on_member(self, listener: Callable[[str, bytes], None]) -> None:
         """Call ``listener(address, public_key)`` whenever a member enters or changes address."""
@@ -264,15 +254,7 @@ class DhtNode:
             log.info("dht_members_revoked", node=self.node_id[:12], dropped=self.table.dropped)
 
     def _check_writer(self, writer: bytes | None) -> None:
-        """An authorized run's writer policy: signed, by a credentialed member known here."""
-        if self.verifier is None or writer == self.key.public_key or writer == self.verifier.authorizer_key:
-            return
-        if writer is None:
-            raise RecordRejected("unsigned record: this run takes records signed by its members only")
-        node_id = node_id_from_public_key(writer)
-        member = self.table.get(node_id) if self.table is not None else None
-        if member is None or member.public_key != writer or member.identity is None or member.revoked:
-            raise RecordRejected(f"writer {node_id[:12]} is not a credentialed member this node knows")
+        check_writer(self.table, self.verifier, self.key.public_key, writer)
 
     # --- replica sets ---------------------------------------------------------------------------
 

@@ -204,8 +204,8 @@ async def test_owned_subkeys_are_protected_by_every_replica(swarm):
     good = make_record(key, subkey, {"address": "w0"}, time.time() + 120, signer=owner)
     evil_value = msgpack.packb({"address": "evil"})
     attacks = {
-        "unsigned": [key, subkey, [evil_value, good.expiration + 10, None]],
-        "forged": [key, subkey, [evil_value, good.expiration + 10, bytes(64)]],
+        "unsigned": [key, subkey, [evil_value, good.expiration + 10, None, None]],
+        "forged": [key, subkey, [evil_value, good.expiration + 10, bytes(64), owner.public_key]],
         "other owner": [
             key,
             subkey,
@@ -217,8 +217,12 @@ async def test_owned_subkeys_are_protected_by_every_replica(swarm):
                 signer=mallory,
             ).to_wire(),
         ],
-        "tampered value": [key, subkey, [evil_value, good.expiration, good.signature]],
-        "tampered expiration": [key, subkey, [good.value, good.expiration + 10, good.signature]],
+        "tampered value": [key, subkey, [evil_value, good.expiration, good.signature, owner.public_key]],
+        "tampered expiration": [
+            key,
+            subkey,
+            [good.value, good.expiration + 10, good.signature, owner.public_key],
+        ],
     }
     # Straight to every replica, bypassing the writer's own checks.
     for replica in swarm.nodes[0].replicas(key):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from agora_core.dht.claims import Claims
 from agora_core.dht.ids import closest, key_id
 from agora_core.dht.membership import Member, MemberTable, Status, parse_update
 from agora_core.dht.records import Record, RecordRejected, make_record, owned_subkey, subkey_owner
@@ -60,10 +61,11 @@ def test_unsigned_forged_and_foreign_writes_to_owned_subkeys_are_rejected(store,
         ).signature,
     )
     unsigned = dataclasses.replace(genuine, signature=None)
+    wrong_writer = make_record(KEY, owned_subkey(mallory.public_key), {"a": 1}, NOW + 60, signer=mallory)
     tampered_value = dataclasses.replace(genuine, value=make_record(KEY, "x", {"a": 2}, NOW + 60).value)
     tampered_expiration = dataclasses.replace(genuine, expiration=NOW + 500)
     other_key = ("stage/2/workers", subkey, genuine)  # a signature does not travel to another key
-    for bad in (forged_signature, signed_by_other, unsigned, tampered_value, tampered_expiration):
+    for bad in (forged_signature, signed_by_other, unsigned, wrong_writer, tampered_value, tampered_expiration):
         with pytest.raises(RecordRejected):
             accept(store, KEY, subkey, bad)
     with pytest.raises(RecordRejected):
@@ -141,35 +143,84 @@ def test_replica_sets_are_the_closest_ids():
 
 
 def member(node: NodeKey, incarnation: int, status: Status, address: str = "tcp://127.0.0.1:1") -> Member:
-    return Member(node.node_id, address, node.public_key, incarnation, status)
+    """``node``'s own claim (ALIVE/LEFT), or an unsigned report about it (SUSPECT/DEAD)."""
+    update = Member(node.node_id, address, node.public_key, incarnation, status)
+    if status in (Status.ALIVE, Status.LEFT):
+        Claims(key=node).sign(update)
+    return update
+
+
+def report(node: NodeKey, incarnation: int, status: Status) -> Member:
+    """Someone else's report about ``node``, carrying ``node``'s ALIVE claim at that incarnation."""
+    claim = member(node, incarnation, Status.ALIVE)
+    claim.status = status
+    return claim
 
 
 @pytest.fixture
 def table():
     me = NodeKey.generate()
-    return MemberTable(member(me, 10, Status.ALIVE), suspicion_timeout_s=5, tombstone_s=30)
+    hints: list[str] = []
+    table = MemberTable(
+        Member(me.node_id, "tcp://127.0.0.1:1", me.public_key, 10, Status.ALIVE),
+        claims=Claims(key=me),
+        suspicion_timeout_s=5,
+        tombstone_s=30,
+        on_hint=lambda m: hints.append(m.node_id),
+    )
+    table.hints = hints
+    return table
 
 
-def test_swim_precedence(table):
+def test_swim_precedence_of_a_members_own_claims(table):
     other = NodeKey.generate()
     assert table.apply(member(other, 5, Status.ALIVE), now=0)
-    assert not table.apply(member(other, 4, Status.SUSPECT), now=0)  # older news
-    assert table.apply(member(other, 5, Status.SUSPECT), now=0)  # suspect(i) beats alive(i)
+    assert not table.apply(member(other, 5, Status.ALIVE), now=0)  # nothing new
+    assert table.suspect(other.node_id, now=0)  # this node's own failed probes
     assert not table.apply(member(other, 5, Status.ALIVE), now=0)  # alive(i) does not refute it
     assert table.apply(member(other, 6, Status.ALIVE), now=0)  # the member's own refutation
-    assert table.apply(member(other, 6, Status.DEAD), now=0)
+    assert table.get(other.node_id).status == Status.ALIVE
+    assert table.apply(member(other, 6, Status.LEFT), now=0)
     assert not table.apply(member(other, 6, Status.ALIVE), now=0)  # stale gossip cannot revive
     assert [m.node_id for m in table.live()] == [table.me.node_id]
     assert table.apply(member(other, 7, Status.ALIVE, "tcp://127.0.0.1:2"), now=0)  # a restart
     assert table.get(other.node_id).address == "tcp://127.0.0.1:2"
 
 
-def test_suspected_node_refutes_with_a_higher_incarnation(table):
+def test_reports_by_others_are_hints_that_change_no_status(table):
+    other = NodeKey.generate()
+    table.apply(member(other, 5, Status.ALIVE), now=0)
+    for status in (Status.SUSPECT, Status.DEAD):
+        assert not table.apply(Member(other.node_id, "tcp://127.0.0.1:1", other.public_key, 99, status))
+        assert not table.apply(report(other, 5, status))
+    assert table.get(other.node_id).status == Status.ALIVE and table.get(other.node_id).incarnation == 5
+    assert table.hints == [other.node_id] * 4  # each one makes this node probe it
+    assert not table.apply(report(other, 4, Status.DEAD)) and len(table.hints) == 4  # stale: ignored
+
+
+def test_claims_not_signed_by_their_member_are_refused(table):
+    other, mallory = NodeKey.generate(), NodeKey.generate()
+    table.apply(member(other, 5, Status.ALIVE), now=0)
+    forged = member(other, 1 << 40, Status.LEFT)
+    forged.signature = mallory.sign(b"anything")
+    assert not table.apply(forged)
+    unsigned = Member(other.node_id, "tcp://127.0.0.1:9", other.public_key, 1 << 40, Status.ALIVE)
+    assert not table.apply(unsigned)
+    moved = member(other, 6, Status.ALIVE)
+    moved.address = "tcp://127.0.0.1:9"  # the signature covers the address
+    assert not table.apply(moved)
+    assert table.get(other.node_id).incarnation == 5 and table.get(other.node_id).address == "tcp://127.0.0.1:1"
+
+
+def test_suspected_node_refutes_with_one_more_than_its_incarnation(table):
     me = table.me
+    table.apply(Member(me.node_id, me.address, me.public_key, me.incarnation + 1000, Status.SUSPECT))
+    assert me.incarnation == 10  # a report above my incarnation is not mine to follow
     table.apply(Member(me.node_id, me.address, me.public_key, me.incarnation, Status.SUSPECT))
     assert me.incarnation == 11 and table.refutations == 1
     gossip = {update[0]: update for update in table.piggyback(16)}
-    assert gossip[me.node_id][3:] == [11, Status.ALIVE]  # the refutation goes out
+    assert gossip[me.node_id][3:5] == [11, Status.ALIVE]  # the refutation goes out, signed
+    assert Claims(key=NodeKey.generate()).admit(parse_update(gossip[me.node_id]))
 
 
 def test_suspicion_times_out_into_death_and_tombstones_expire(table):
@@ -185,6 +236,10 @@ def test_suspicion_times_out_into_death_and_tombstones_expire(table):
 
 
 def test_malformed_updates_are_ignored(table):
-    assert parse_update(["x", "a", b"k", 1, 0]) is None
+    node = NodeKey.generate()
+    assert parse_update(["x", "a", b"k", 1, 0, None, None]) is None
     assert parse_update("garbage") is None
     assert table.apply_all([["x"], 5, None, "y"]) == 0
+    good = member(node, 1, Status.ALIVE).to_wire()
+    assert parse_update(good) is not None
+    assert parse_update([NodeKey.generate().node_id, *good[1:]]) is None  # id not from its key

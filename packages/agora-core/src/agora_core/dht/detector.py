@@ -2,9 +2,13 @@
 
 Targets are taken round-robin from a shuffled list of the other members, so every member is
 probed within two passes of the list. A member whose connection just dropped is probed at
-once, out of turn: a crashed process is suspected within a period instead of a pass. A member that answers neither the direct ping nor any
-of the ``indirect_probes`` helpers within the period becomes suspect; the member table turns
-a suspicion that nobody refutes into death after the suspicion timeout.
+once, out of turn: a crashed process is suspected within a period instead of a pass, and so is
+a member another node reports suspect or dead (reports are only hints: this node's own probes
+decide). Out-of-turn probes are bounded: one per member per period, ``MAX_URGENT`` at a time.
+A member that answers neither the direct ping nor any of the ``indirect_probes`` helpers
+within the period becomes suspect; the member table turns a suspicion that nobody refutes
+into death after the suspicion timeout. Each period one suspect member is pinged again (the
+ping carries this node's suspicion of it), so a member that was only slow hears it and refutes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from agora_core.dht.membership import GONE, Member, MemberTable
+from agora_core.dht.membership import GONE, Member, MemberTable, Status
+
+MAX_URGENT = 8  # out-of-turn probes in flight at once
 
 Ping = Callable[[Member, float], Awaitable[bool]]  # (target, timeout_s) -> answered
 PingThrough = Callable[[Member, Member, float], Awaitable[bool]]  # (helper, target, timeout_s)
@@ -41,6 +47,8 @@ class FailureDetector:
         self._rng = rng or random.Random()
         self._order: list[str] = []
         self._urgent: set[str] = set()  # members being probed out of turn
+        self._urgent_at: dict[str, float] = {}  # node id -> time.monotonic() of its last one
+        self._suspects: list[str] = []  # this pass's order of suspects to ping again
         self.probes = 0
         self.failed_probes = 0
 
@@ -66,12 +74,28 @@ class FailureDetector:
             await self._probe(target)
 
     def probe_now(self, member: Member) -> None:
-        """Probe ``member`` at once, outside the cycle (say, its connection just dropped)."""
-        if member.node_id in self._urgent or member.status in GONE or member is self._table.me:
+        """Probe ``member`` at once, outside the cycle (its connection dropped, or someone
+        reported it): at most once a period per member and ``MAX_URGENT`` at a time."""
+        if member.status != Status.ALIVE or member is self._table.me or len(self._urgent) >= MAX_URGENT:
             return
+        now = time.monotonic()
+        if member.node_id in self._urgent or now - self._urgent_at.get(member.node_id, -1e9) < self._period_s:
+            return
+        if len(self._urgent_at) > 4 * MAX_URGENT:
+            self._urgent_at = {k: t for k, t in self._urgent_at.items() if now - t < self._period_s}
         self._urgent.add(member.node_id)
+        self._urgent_at[member.node_id] = now
         task = asyncio.get_running_loop().create_task(self._probe(member))
         task.add_done_callback(lambda _task: self._urgent.discard(member.node_id))
+
+    async def recheck_suspect(self) -> None:
+        """Ping one member this node suspects (the ping tells it so, so it can refute)."""
+        while self._suspects:
+            member = self._table.get(self._suspects.pop())
+            if member is not None and member.status == Status.SUSPECT:
+                await self._ping(member, self._probe_timeout_s)
+                return
+        self._suspects = [m.node_id for m in self._table.others() if m.status == Status.SUSPECT]
 
     async def _probe(self, target: Member) -> None:
         self.probes += 1
@@ -93,7 +117,7 @@ class FailureDetector:
         next_tick = time.monotonic()
         while True:
             next_tick += self._period_s
-            await self.probe_once()
+            await asyncio.gather(self.probe_once(), self.recheck_suspect())
             self._table.expire()
             delay = next_tick - time.monotonic()
             if delay > 0:

@@ -3,6 +3,11 @@
 This is the glue between the member table, the failure detector and the RPC layer: the
 ``dht.join``, ``dht.ping``, ``dht.ping_req``, ``dht.sync`` and ``dht.members`` methods, and the
 calls that reach them on other nodes.
+
+What a request carries is checked within a budget: at most ``MAX_CHECKS_PER_REQUEST`` claims
+per message have their signatures and credentials checked (a flood of made-up members costs
+its sender more than it costs us); replies to this node's own calls are from members it chose.
+A ping counts as answered only when the reply comes from the member pinged.
 """
 
 from __future__ import annotations
@@ -13,14 +18,20 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
+
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
+from agora_core.dht.claims import Claims
 from agora_core.dht.detector import FailureDetector
-from agora_core.dht.membership import Member, MemberTable, Status, parse_update
+from agora_core.dht.membership import Budget, Member, MemberTable, Status, parse_update
 from agora_core.dht.records import DhtError
 from agora_core.errors import BadRequest, RpcError
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
+
+SNAPSHOT_BYTES = 48 * 1024  # a header holds 64 KiB: larger member lists go out in random parts
+MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
 
 
 class Gossip:
@@ -33,17 +44,22 @@ class Gossip:
         client: RpcClient,
         metrics: NodeMetrics,
         rng: random.Random,
+        claims: Claims,
         on_change: Callable[[], None],
+        on_address: Callable[[Member], None] | None = None,
     ):
         self.config = config
         self.client = client
         self._rng = rng
         self.table = MemberTable(
             me,
+            claims=claims,
             suspicion_timeout_s=config.suspicion_timeout_s,
             tombstone_s=config.tombstone_s,
             on_change=on_change,
             on_new_member=lambda node_id: self.detector.member_added(node_id),
+            on_hint=lambda member: self.detector.probe_now(member),
+            on_address=on_address,
         )
         self.detector = FailureDetector(
             self.table,
@@ -116,28 +132,42 @@ class Gossip:
             await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - time.monotonic())))
         raise DhtError(f"could not join through any of {targets}: {errors}")
 
-    def _meta(self) -> dict:
-        return {
-            "from": self.table.me.to_wire(),
-            "updates": self.table.piggyback(self.config.piggyback_updates),
-        }
+    def _meta(self, to: Member | None = None) -> dict:
+        updates = self.table.piggyback(self.config.piggyback_updates)
+        if to is not None and to.status == Status.SUSPECT:
+            updates.append(to.to_wire())  # tell a suspect so: it can refute
+        return {"from": self.table.me.to_wire(), "updates": updates}
 
-    def _absorb(self, meta: Any) -> None:
+    def _absorb(self, meta: Any, budget: Budget | None = None) -> Member | None:
+        """Merge a message's sender and updates; returns the sender's update, if well formed."""
         if not isinstance(meta, dict):
-            return
+            return None
         sender = parse_update(meta.get("from"))
         if sender is not None:
-            self.table.apply(sender)
-        self.table.apply_all(meta.get("updates"))
+            self.table.apply(sender, budget=budget)
+        self.table.apply_all(meta.get("updates"), budget=budget)
+        return sender
+
+    def introduce(self, raw: Any) -> None:
+        """Merge the claim of a request's sender (say, a store from a node that just joined)."""
+        update = parse_update(raw)
+        if update is not None:
+            self.table.apply(update, budget=Budget(1))
+
+    @staticmethod
+    def _request_budget() -> Budget:
+        return Budget(MAX_CHECKS_PER_REQUEST)
 
     async def ping(self, member: Member, timeout_s: float) -> bool:
         self._m_sent.labels(kind="ping").inc()
         try:
-            reply = await self.client.call(member.address, Method.DHT_PING, self._meta(), timeout_s=timeout_s)
+            reply = await self.client.call(
+                member.address, Method.DHT_PING, self._meta(member), timeout_s=timeout_s
+            )
         except RpcError:
             return False
-        self._absorb(reply.meta)
-        return True
+        sender = self._absorb(reply.meta)
+        return sender is not None and sender.node_id == member.node_id  # not whoever took the address
 
     async def ping_through(self, helper: Member, target: Member, timeout_s: float) -> bool:
         self._m_sent.labels(kind="ping_req").inc()
@@ -149,33 +179,67 @@ class Gossip:
         self._absorb(reply.meta)
         return bool(reply.meta.get("ok")) if isinstance(reply.meta, dict) else False
 
+    def _snapshot(self) -> list[list]:
+        """The member list for a join or sync, within ``SNAPSHOT_BYTES``: when it does not fit,
+        this node first, then live members, then tombstones, each in random order, so
+        successive syncs cover all of it."""
+        entries = self.table.snapshot()
+        if len(msgpack.packb(entries, use_bin_type=True)) <= SNAPSHOT_BYTES:
+            return entries
+        me, rest = entries[0], entries[1:]
+        self._rng.shuffle(rest)
+        rest.sort(key=lambda entry: entry[4] in (Status.DEAD, Status.LEFT))
+        chosen, size = [me], len(msgpack.packb(me, use_bin_type=True))
+        for entry in rest:
+            size += len(msgpack.packb(entry, use_bin_type=True))
+            if size > SNAPSHOT_BYTES:
+                break
+            chosen.append(entry)
+        return chosen
+
     async def _on_join(self, request: Request) -> Payload:
         joiner = parse_update(request.meta.get("member") if isinstance(request.meta, dict) else None)
         if joiner is None or joiner.status != Status.ALIVE:
-            raise BadRequest("join needs {'member': [id, address, public key, incarnation, 0]}")
-        self.table.apply(joiner)
-        return Payload({"members": self.table.snapshot()})
+            raise BadRequest(
+                "join needs {'member': [id, address, public key, incarnation, 0, signature, credential]}"
+            )
+        self.table.apply(joiner, budget=self._request_budget())
+        known = self.table.get(joiner.node_id)
+        if known is None or known.status != Status.ALIVE or known.incarnation < joiner.incarnation:
+            raise BadRequest("join refused: the member's signed claim or its credential does not verify")
+        return Payload({"members": self._snapshot()})
+
+    def _reply(self, **fields: Any) -> Payload:
+        return Payload(
+            {
+                "from": self.table.me.to_wire(),
+                "updates": self.table.piggyback(self.config.piggyback_updates),
+                **fields,
+            }
+        )
 
     async def _on_ping(self, request: Request) -> Payload:
-        self._absorb(request.meta)
-        return Payload({"updates": self.table.piggyback(self.config.piggyback_updates)})
+        self._absorb(request.meta, self._request_budget())
+        return self._reply()
 
     async def _on_ping_req(self, request: Request) -> Payload:
-        self._absorb(request.meta)
-        target = parse_update(request.meta.get("target") if isinstance(request.meta, dict) else None)
-        if target is None:
+        self._absorb(request.meta, self._request_budget())
+        wanted = parse_update(request.meta.get("target") if isinstance(request.meta, dict) else None)
+        if wanted is None:
             raise BadRequest("ping_req needs a 'target' member")
+        target = self.table.get(wanted.node_id)  # pinged where its own claim says, not the asker
         timeout_s = min(request.remaining_s * 0.9, self.config.probe_timeout_s)
-        ok = timeout_s > 0 and await self.ping(target, timeout_s)
-        return Payload({"ok": ok, "updates": self.table.piggyback(self.config.piggyback_updates)})
+        ok = target is not None and target is not self.table.me and timeout_s > 0
+        ok = ok and await self.ping(target, timeout_s)
+        return self._reply(ok=ok)
 
     async def _on_sync(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
-        self.table.apply_all(meta.get("members"))
+        self.table.apply_all(meta.get("members"), budget=self._request_budget())
         digest = self.table.digest()
         if meta.get("digest") == digest:
             return Payload({"digest": digest})
-        return Payload({"digest": digest, "members": self.table.snapshot()})
+        return Payload({"digest": digest, "members": self._snapshot()})
 
     async def sync(self) -> None:
         """Push-pull with one random member; only digests travel when both agree."""
@@ -198,7 +262,7 @@ class Gossip:
                     await self.client.call(
                         peer.address,
                         Method.DHT_SYNC,
-                        {"members": self.table.snapshot()},
+                        {"members": self._snapshot()},
                         timeout_s=self.config.op_timeout_s,
                     )
         except RpcError:

@@ -1,93 +1,52 @@
 """The full member list every DHT node keeps, and the rules for updating it (SWIM).
 
 Each member has an incarnation number that only it may raise. News about a member travels as
-an update ``(id, address, public key, incarnation, status)`` piggybacked on protocol traffic;
-an update replaces what a node knows only if it is newer by SWIM's precedence:
+an update ``[id, address, public key, incarnation, status, signature, credential]``
+piggybacked on protocol traffic. Only a member's own signed claims change what others hold
+about it (see ``claims``): ALIVE(i) replaces anything older than i (a refutation, a restart,
+a new address or credential), LEFT(i) ends it. SUSPECT and DEAD reports by others are hints:
+they make this node probe the member itself, and only this node's own failed probes make it
+suspect here, its suspicion timeout dead. Claims are checked for precedence first and their
+signatures only when they would change the table, so stale repeated gossip costs nothing.
 
-* alive(i) beats alive/suspect/dead(j) when i > j
-* suspect(i) beats alive(j) when i >= j, and suspect(j) when i > j
-* dead/left(i) beats alive/suspect(j) when i >= j
-
-A node that hears itself suspected or declared dead refutes it by raising its incarnation.
-Incarnations start at the wall-clock time in milliseconds, so a restarted node (same key,
-same id) outranks everything said about its previous life. Dead and departed members are
-kept as tombstones for a while, so stale gossip cannot bring them back, then forgotten.
+A node that hears itself suspected or declared dead at its incarnation refutes it by raising
+its incarnation by one, signed. Incarnations start at the wall-clock time in milliseconds, so
+a restarted node (same key, same id) outranks everything said about its previous life. Dead
+and departed members are kept as tombstones for a while, so stale gossip cannot bring them
+back, then forgotten. In an authorized run a member whose credential expires, or is revoked,
+is dropped from the live view until it claims again with a valid one.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agora_core.dht.ids import node_position
+from agora_core.dht.member import (
+    GONE,
+    HINTS,
+    MAX_UPDATES_PER_MESSAGE,
+    Budget,
+    Member,
+    Status,
+    parse_update,
+)
 
+if TYPE_CHECKING:
+    from agora_core.dht.claims import Claims
 
-class Status(enum.IntEnum):
-    ALIVE = 0
-    SUSPECT = 1
-    DEAD = 2
-    LEFT = 3
-
-
-GONE = (Status.DEAD, Status.LEFT)
-
-
-@dataclass(slots=True)
-class Member:
-    node_id: str
-    address: str
-    public_key: bytes
-    incarnation: int
-    status: Status
-    changed_at: float = 0.0  # time.monotonic() of the last status change (suspicion timers)
-
-    @property
-    def position(self) -> int:
-        return node_position(self.node_id)
-
-    def to_wire(self) -> list:
-        return [self.node_id, self.address, self.public_key, self.incarnation, int(self.status)]
-
-
-def parse_update(raw: Any) -> Member | None:
-    """A member update from the wire, or None when malformed (it is then ignored)."""
-    if not isinstance(raw, list) or len(raw) != 5:
-        return None
-    node_id, address, public_key, incarnation, status = raw
-    if (
-        not isinstance(node_id, str)
-        or len(node_id) != 40
-        or not isinstance(address, str)
-        or not 0 < len(address) <= 256
-        or not isinstance(public_key, bytes)
-        or len(public_key) != 32
-        or isinstance(incarnation, bool)
-        or not isinstance(incarnation, int)
-        or not 0 <= incarnation < 1 << 63
-        or status not in (0, 1, 2, 3)
-    ):
-        return None
-    try:
-        node_position(node_id)
-    except ValueError:
-        return None
-    return Member(node_id, address, public_key, incarnation, Status(status))
+__all__ = ["GONE", "HINTS", "Budget", "Member", "MemberTable", "Status", "parse_update"]
 
 
 def _overrides(new: Member, old: Member) -> bool:
+    """SWIM precedence of a member's own claim (ALIVE or LEFT) over what is held."""
     if new.status == Status.ALIVE:
-        return new.incarnation > old.incarnation
-    if new.status == Status.SUSPECT:
-        if old.status == Status.ALIVE:
-            return new.incarnation >= old.incarnation
-        return new.incarnation > old.incarnation
-    # DEAD or LEFT
+        return new.incarnation > old.incarnation or (old.hearsay and new.incarnation == old.incarnation)
+    # LEFT
     if old.status in GONE:
         return new.incarnation > old.incarnation or (new.status == Status.LEFT and old.status == Status.DEAD)
     return new.incarnation >= old.incarnation
@@ -100,24 +59,34 @@ class MemberTable:
         self,
         me: Member,
         *,
+        claims: Claims,
         suspicion_timeout_s: float,
         tombstone_s: float,
         retransmit_mult: int = 4,
         on_change: Callable[[], None] | None = None,
         on_new_member: Callable[[str], None] | None = None,
+        on_hint: Callable[[Member], None] | None = None,
+        on_address: Callable[[Member], None] | None = None,
     ):
+        """``on_hint(member)``: someone reported ``member`` suspect or dead (probe it);
+        ``on_address(member)``: a member entered or moved to a new address."""
         self.me = me
+        self.claims = claims
         self._members: dict[str, Member] = {}
         self._suspicion_timeout_s = suspicion_timeout_s
         self._tombstone_s = tombstone_s
         self._retransmit_mult = retransmit_mult
         self._on_change = on_change or (lambda: None)
         self._on_new_member = on_new_member or (lambda node_id: None)
+        self._on_hint = on_hint or (lambda member: None)
+        self._on_address = on_address or (lambda member: None)
         self._gossip: dict[str, tuple[list, int]] = {}  # node id -> (update, times sent)
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
         self.suspicions = 0  # times this node saw another member become suspect
         self.deaths = 0  # times this node saw another member declared dead
+        self.dropped = 0  # members dropped for an expired or revoked credential
+        claims.sign(me)
         self._queue(me)
 
     # --- views ------------------------------------------------------------------------------
@@ -137,94 +106,153 @@ class MemberTable:
         """Live members other than this node: whom to probe and gossip with."""
         return [m for m in self._members.values() if m.status not in GONE]
 
+    def known(self) -> list[Member]:
+        """Every member not yet forgotten, tombstones and this node included."""
+        return [self.me, *self._members.values()]
+
     def get(self, node_id: str) -> Member | None:
         return self.me if node_id == self.me.node_id else self._members.get(node_id)
 
     def snapshot(self) -> list[list]:
         """Every member this node knows of, tombstones included (for joins and syncs)."""
-        return [self.me.to_wire(), *(m.to_wire() for m in self._members.values())]
+        return [m.to_wire() for m in self.known()]
 
     def digest(self) -> str:
         """A short hash of the membership: two nodes with the same digest agree on it."""
-        entries = sorted(
-            (m.node_id, m.incarnation, int(m.status)) for m in (self.me, *self._members.values())
-        )
+        entries = sorted((m.node_id, m.incarnation, int(m.status)) for m in self.known())
         return hashlib.blake2b(repr(entries).encode(), digest_size=16).hexdigest()
 
     # --- updates ------------------------------------------------------------------------------
 
-    def apply(self, update: Member, now: float | None = None) -> bool:
-        """Merge one update; returns whether it changed anything (and queues its gossip)."""
-        now = time.monotonic() if now is None else now
+    def apply(self, update: Member, now: float | None = None, budget: Budget | None = None) -> bool:
+        """Merge one update; returns whether it changed anything (and queues its gossip).
+
+        ``budget`` bounds how many claims may be checked for this update's message.
+        """
         if update.node_id == self.me.node_id:
             self._about_me(update)
             return False
+        now = time.monotonic() if now is None else now
         old = self._members.get(update.node_id)
         if old is None:
-            update.changed_at = now
-            self._members[update.node_id] = update
-            self._count(update.status)
-            if update.status not in GONE:
-                self._queue(update)
-                self._on_new_member(update.node_id)
-                self._on_change()
-            return update.status not in GONE
-        if not _overrides(update, old):
+            return self._enter(update, now, budget)
+        if update.status in HINTS:
+            if old.status == Status.ALIVE and update.incarnation >= old.incarnation:
+                self._on_hint(old)
             return False
+        if not _overrides(update, old) or not self._check(update, budget):
+            return False
+        old.hearsay = False
         if update.status != old.status:
             old.changed_at = now
-            self._count(update.status)
-        if update.status == Status.ALIVE or old.status in GONE:
-            old.address, old.public_key = update.address, update.public_key
-        old.incarnation, old.status = update.incarnation, update.status
+        moved = update.status == Status.ALIVE and update.address != old.address
+        old.address, old.incarnation, old.status = update.address, update.incarnation, update.status
+        old.signature, old.credential = update.signature, update.credential
+        old.identity, old.expires, old.revoked = update.identity, update.expires, False
+        if moved:
+            self._on_address(old)
         self._queue(old)
         self._on_change()
         return True
 
-    def _count(self, status: Status) -> None:
-        if status == Status.SUSPECT:
-            self.suspicions += 1
-        elif status == Status.DEAD:
-            self.deaths += 1
+    def _enter(self, update: Member, now: float, budget: Budget | None) -> bool:
+        """A member this node does not know enters only through its own signed claim. A report
+        about it carries the ALIVE claim it is about: SUSPECT enters it alive and probes it
+        here; DEAD leaves a tombstone from hearsay, which that same claim lifts."""
+        if not self._check(update, budget):
+            return False
+        update.changed_at = now
+        self._members[update.node_id] = update
+        if update.status in GONE:
+            update.hearsay = update.status == Status.DEAD
+            return False  # a tombstone: blocks stale claims, changes no view
+        suspected = update.status == Status.SUSPECT
+        update.status = Status.ALIVE
+        if not suspected:
+            self._queue(update)
+        self._on_new_member(update.node_id)
+        self._on_address(update)
+        self._on_change()
+        if suspected:
+            self._on_hint(update)
+        return True
+
+    def _check(self, update: Member, budget: Budget | None) -> bool:
+        if not self.claims.plausible(update):
+            return False
+        if budget is not None and not budget.take():
+            return False
+        return self.claims.admit(update)
 
     def _about_me(self, update: Member) -> None:
-        if self.leaving:
+        """Refute a report that I am suspect or dead at my incarnation. Reports above it are
+        not mine to follow (only I raise my incarnation), claims in my name not mine to heed."""
+        if self.leaving or update.status not in HINTS or update.incarnation != self.me.incarnation:
             return
-        me = self.me
-        doubted = update.status != Status.ALIVE and update.incarnation >= me.incarnation
-        if doubted or update.incarnation > me.incarnation:
-            me.incarnation = update.incarnation + 1
-            if doubted:
-                self.refutations += 1
-            self._queue(me)
+        self.refutations += 1
+        self._raise_incarnation()
+
+    def _raise_incarnation(self) -> None:
+        self.me.incarnation += 1
+        self.claims.sign(self.me)
+        self._queue(self.me)
+
+    def credential_changed(self) -> None:
+        """Claim again with this node's fresh credential (a higher incarnation outranks the
+        claim that named the old one)."""
+        if not self.leaving:
+            self._raise_incarnation()
+
+    def _set_status(self, member: Member, status: Status, now: float, *, gossip: bool = True) -> None:
+        member.status, member.changed_at = status, now
+        if status == Status.SUSPECT:
+            self.suspicions += 1
+        elif status == Status.DEAD and gossip:
+            self.deaths += 1
+        if gossip:
+            self._queue(member)
+        self._on_change()
 
     def suspect(self, node_id: str, now: float | None = None) -> bool:
+        """This node's own probes of ``node_id`` failed: suspect it here and say so."""
         member = self._members.get(node_id)
         if member is None or member.status != Status.ALIVE:
             return False
-        return self.apply(
-            Member(member.node_id, member.address, member.public_key, member.incarnation, Status.SUSPECT), now
-        )
+        self._set_status(member, Status.SUSPECT, time.monotonic() if now is None else now)
+        return True
+
+    def drop(self, predicate: Callable[[Member], bool], *, revoked: bool = False) -> int:
+        """Take members ``predicate`` picks out of the live view (their credential stopped
+        counting); a later claim with a valid credential brings one back. Returns how many."""
+        now = time.monotonic()
+        count = 0
+        for member in list(self._members.values()):
+            if member.status not in GONE and predicate(member):
+                self._set_status(member, Status.DEAD, now, gossip=False)  # each node checks itself
+                count += 1
+            if revoked and predicate(member):
+                member.revoked = True
+        self.dropped += count
+        return count
 
     def leave(self) -> None:
         """Announce a graceful departure: others drop us without suspicion."""
         self.leaving = True
         self.me.incarnation += 1
         self.me.status = Status.LEFT
+        self.claims.sign(self.me)
         self._queue(self.me)
 
-    def expire(self, now: float | None = None) -> None:
-        """Declare members suspected for too long dead; forget old tombstones."""
+    def expire(self, now: float | None = None, wall_now: float | None = None) -> None:
+        """Declare members suspected for too long dead; drop those whose credential expired;
+        forget old tombstones."""
         now = time.monotonic() if now is None else now
+        wall_now = time.time() if wall_now is None else wall_now
+        self.drop(lambda m: m.expires <= wall_now)
         for member in list(self._members.values()):
             age = now - member.changed_at
             if member.status == Status.SUSPECT and age >= self._suspicion_timeout_s:
-                self.apply(
-                    Member(
-                        member.node_id, member.address, member.public_key, member.incarnation, Status.DEAD
-                    ),
-                    now,
-                )
+                self._set_status(member, Status.DEAD, now)
             elif member.status in GONE and age >= self._tombstone_s:
                 del self._members[member.node_id]
                 self._gossip.pop(member.node_id, None)
@@ -258,13 +286,13 @@ class MemberTable:
                 self._gossip[node_id] = (update, sent + 1)
         return updates
 
-    def apply_all(self, raw_updates: Any, now: float | None = None) -> int:
+    def apply_all(self, raw_updates: Any, now: float | None = None, budget: Budget | None = None) -> int:
         """Merge a list of wire updates; malformed ones are skipped. Returns how many changed."""
         if not isinstance(raw_updates, list):
             return 0
         changed = 0
-        for raw in raw_updates[:1024]:
+        for raw in raw_updates[:MAX_UPDATES_PER_MESSAGE]:
             update = parse_update(raw)
-            if update is not None and self.apply(update, now):
+            if update is not None and self.apply(update, now, budget):
                 changed += 1
         return changed

@@ -5,6 +5,10 @@ or get goes straight to them, in parallel: one hop, whatever the swarm size. The
 the lifecycle, the API and the periodic maintenance; ``gossip`` carries membership and
 ``replication`` carries records (read merge and repair, handoff, anti-entropy). The node runs
 inside the caller's event loop (see ``BlockingDht`` for threads).
+
+In an authorized run (a ``verifier``), members enter the table only with a credential of the
+run, and records only from writers the table knows as credentialed members (or the
+authorizer). Every record this node writes is signed: by its own key, or the owner's.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import collections
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agora_core.config.run import DhtConfig
+from agora_core.dht.claims import Claims
+from agora_core.dht.directory import check_writer, key_for_address
 from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
 from agora_core.dht.membership import Member, MemberTable, Status
@@ -30,6 +36,9 @@ from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcConfig, RpcServer
+
+if TYPE_CHECKING:
+    from agora_core.auth.peers import PeerVerifier
 
 log = get_logger("dht")
 
@@ -43,6 +52,7 @@ class DhtValue:
     value: Any
     expiration: float  # wall-clock seconds
     owner: bytes | None  # public key of an owned subkey's writer
+    writer: bytes | None = None  # public key of whoever signed the record (None: unsigned)
 
 
 class DhtNode:
@@ -61,7 +71,12 @@ class DhtNode:
         server: RpcServer | None = None,
         client: RpcClient | None = None,
         seed: int | None = None,
+        verifier: PeerVerifier | None = None,
+        credential: Callable[[], Any] | None = None,
     ):
+        """``verifier``: the run's credential checks (None: an open run, anyone may join);
+        ``credential()``: this node's current signed credential value (None in an open run
+        and for the authorizer), read whenever the node signs its membership claim."""
         self.key = key
         self.node_id = key.node_id
         self.config = config or DhtConfig()
@@ -82,7 +97,9 @@ class DhtNode:
             max_expiration_ahead_s=self.config.max_expiration_ahead_s,
             max_clock_skew_s=self.config.max_clock_skew_s,
         )
-        self.records = RecordStore(limits, validators)
+        self.verifier = verifier
+        self.records = RecordStore(limits, validators, writers=self._check_writer)
+        self._member_listeners: list[Callable[[str, bytes], None]] = []
         self.gossip: Gossip | None = None
         self.table: MemberTable | None = None
         self._alive_cache: list[tuple[int, Member]] | None = None
@@ -93,6 +110,14 @@ class DhtNode:
         self.recent_ops: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
         self.ops_done = 0
         self._declare_metrics()
+        self.claims = Claims(
+            key=key,
+            verifier=verifier,
+            credential=credential,
+            on_reject=lambda reason: self._m_rejected.labels(reason=reason).inc(),
+        )
+        if verifier is not None:
+            verifier.on_revocations(self._revocations_changed)
         self.replication = Replication(
             node_id=self.node_id,
             records=self.records,
@@ -102,6 +127,8 @@ class DhtNode:
             client=self.client,
             records_gauge=self._m_records,
             spawn=self._spawn,
+            sender=lambda: self.table.me.to_wire() if self.table else None,
+            introduce=lambda update: self.gossip.introduce(update) if self.gossip else None,
         )
 
     def _declare_metrics(self) -> None:
@@ -117,6 +144,12 @@ class DhtNode:
         self._m_suspicions = m.gauge("agora_dht_suspicions", "Members this node saw become suspect.")
         self._m_refutations = m.gauge("agora_dht_refutations", "Suspicions of this node it refuted.")
         self._m_deaths = m.gauge("agora_dht_deaths", "Members this node saw declared dead.")
+        self._m_rejected = m.counter(
+            "agora_dht_claims_rejected_total", "Membership claims refused, by reason.", ["reason"]
+        )
+        self._m_dropped = m.gauge(
+            "agora_dht_members_dropped", "Members dropped for an expired or revoked credential."
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -136,7 +169,9 @@ class DhtNode:
             client=self.client,
             metrics=self.metrics,
             rng=self._rng,
+            claims=self.claims,
             on_change=self._membership_changed,
+            on_address=self._member_moved,
         )
         self.table = self.gossip.table
         self.client.on_connection_lost(self.gossip.connection_lost)
@@ -189,6 +224,38 @@ class DhtNode:
         self._alive_cache = None
         self._changed.set()
 
+    def key_for_address(self, address: str) -> bytes | None:
+        """The public key of the member advertising ``address`` (known and not forgotten,
+        live ones first, the first to claim it among equals), or None: what the transport
+        expects to find at an address."""
+        return None if self.table is None else key_for_address(self.table, address)
+
+    def on_member(self, listener: Callable[[str, bytes], None]) -> None:
+        """Call ``listener(address, public_key)`` whenever a member enters or changes address."""
+        self._member_listeners.append(listener)
+
+    def _member_moved(self, member: Member) -> None:
+        for listener in self._member_listeners:
+            try:
+                listener(member.address, member.public_key)
+            except Exception:
+                log.exception("dht_member_listener_failed", node=self.node_id[:12])
+
+    def credential_changed(self) -> None:
+        """Re-sign this node's claim with its fresh ``credential()`` (raising its
+        incarnation) and gossip it, so the others keep it past its old credential's expiry."""
+        if self.table is not None:
+            self.table.credential_changed()
+
+    def _revocations_changed(self, _revocations: Any) -> None:
+        if self.table is not None and self.table.drop(
+            lambda m: self.claims.revoked(m.identity), revoked=True
+        ):
+            log.info("dht_members_revoked", node=self.node_id[:12], dropped=self.table.dropped)
+
+    def _check_writer(self, writer: bytes | None) -> None:
+        check_writer(self.table, self.verifier, self.key.public_key, writer)
+
     # --- replica sets ---------------------------------------------------------------------------
 
     def replicas(self, key: str) -> list[Member]:
@@ -227,14 +294,14 @@ class DhtNode:
         RecordRejected when replicas refused it, DhtError when none could be reached.
         """
         return await self._put(
-            key, subkey, make_record(key, subkey, value, expiration, signer=signer), "store"
+            key, subkey, make_record(key, subkey, value, expiration, signer=signer or self.key), "store"
         )
 
     async def delete(self, key: str, subkey: str, *, signer: NodeKey | None = None) -> int:
         """Hide ``key``/``subkey`` everywhere: a tombstone outranks and outlives every copy."""
         current = (await self._get_records(key)).get(subkey)
         expiration = max(current.expiration if current else 0.0, time.time()) + 1.0
-        record = make_record(key, subkey, None, expiration, signer=signer, tombstone=True)
+        record = make_record(key, subkey, None, expiration, signer=signer or self.key, tombstone=True)
         return await self._put(key, subkey, record, "delete")
 
     async def _put(self, key: str, subkey: str, record: Record, op: str) -> int:
@@ -257,7 +324,7 @@ class DhtNode:
     @staticmethod
     def _visible(records: dict[str, Record]) -> dict[str, DhtValue]:
         return {
-            subkey: DhtValue(record.decoded(), record.expiration, subkey_owner(subkey))
+            subkey: DhtValue(record.decoded(), record.expiration, subkey_owner(subkey), record.writer)
             for subkey, record in records.items()
             if not record.is_tombstone
         }
@@ -326,3 +393,4 @@ class DhtNode:
         self._m_suspicions.set(self.table.suspicions)
         self._m_refutations.set(self.table.refutations)
         self._m_deaths.set(self.table.deaths)
+        self._m_dropped.set(self.table.dropped)

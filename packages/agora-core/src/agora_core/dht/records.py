@@ -1,4 +1,4 @@
-"""DHT records: key -> {subkey -> (value, expiration, owner, signature)}.
+"""DHT records: key -> {subkey -> (value, expiration, signature, writer)}.
 
 Values are msgpack bytes, at most ``max_value_bytes``. Expirations are wall-clock seconds
 (``time.time()``); the newest expiration wins and an expired record is invisible. A record
@@ -8,6 +8,13 @@ have expired too.
 A subkey that starts with ``@`` followed by a hex Ed25519 public key is **owned** by that key:
 every replica accepts a write to it only when the record is signed with that key, over the
 key, subkey, value and expiration. Other subkeys are open to any writer.
+
+Every record a DhtNode writes is signed by its writer (the node's key, or the owner's for an
+owned subkey) over key, subkey, value, expiration and the writer's public key, and names that
+key, so any replica or reader can tell who wrote it. A replica checks the signature on every
+receive path; an authorized run also refuses unsigned records and writers it does not know as
+credentialed members (``RecordStore``'s writer policy). An open run may still accept unsigned
+records under open subkeys.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ OWNED_PREFIX = "@"
 PUBLIC_KEY_HEX = 64
 MAX_KEY_CHARS = 256
 MAX_SUBKEY_CHARS = 256
-SIGNATURE_CONTEXT = b"agora-dht-record-v1"
+SIGNATURE_CONTEXT = b"agora-dht-record-v2"
 
 
 class DhtError(AgoraError):
@@ -58,7 +65,8 @@ def subkey_owner(subkey: str) -> bytes | None:
 class Record:
     value: bytes | None  # msgpack bytes; None marks a tombstone
     expiration: float  # wall-clock seconds
-    signature: bytes | None = None  # over signing_payload(); required for owned subkeys
+    signature: bytes | None = None  # the writer's, over signing_payload()
+    writer: bytes | None = None  # the writer's Ed25519 public key (None: unsigned)
 
     @property
     def is_tombstone(self) -> bool:
@@ -68,14 +76,14 @@ class Record:
         return None if self.value is None else msgpack.unpackb(self.value, raw=False)
 
     def to_wire(self) -> list:
-        return [self.value, self.expiration, self.signature]
+        return [self.value, self.expiration, self.signature, self.writer]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Record:
         """Parse the wire form strictly; RecordRejected for anything malformed."""
-        if not isinstance(raw, list) or len(raw) != 3:
-            raise RecordRejected("a record is [value, expiration, signature]")
-        value, expiration, signature = raw
+        if not isinstance(raw, list) or len(raw) != 4:
+            raise RecordRejected("a record is [value, expiration, signature, writer]")
+        value, expiration, signature, writer = raw
         if value is not None and not isinstance(value, bytes):
             raise RecordRejected("record value must be bytes or nil")
         if (
@@ -86,11 +94,15 @@ class Record:
             raise RecordRejected("record expiration must be a number")
         if signature is not None and (not isinstance(signature, bytes) or len(signature) != 64):
             raise RecordRejected("record signature must be 64 bytes or nil")
-        return cls(value, float(expiration), signature)
+        if writer is not None and (not isinstance(writer, bytes) or len(writer) != 32):
+            raise RecordRejected("record writer must be a 32-byte public key or nil")
+        if (signature is None) != (writer is None):
+            raise RecordRejected("a record has both a signature and its writer, or neither")
+        return cls(value, float(expiration), signature, writer)
 
 
-def signing_payload(key: str, subkey: str, value: bytes | None, expiration: float) -> bytes:
-    return msgpack.packb([SIGNATURE_CONTEXT, key, subkey, value, expiration], use_bin_type=True)
+def signing_payload(key: str, subkey: str, value: bytes | None, expiration: float, writer: bytes) -> bytes:
+    return msgpack.packb([SIGNATURE_CONTEXT, key, subkey, value, expiration, writer], use_bin_type=True)
 
 
 def make_record(
@@ -102,25 +114,34 @@ def make_record(
     signer: NodeKey | None = None,
     tombstone: bool = False,
 ) -> Record:
-    """Encode ``value`` and, for owned subkeys, sign the record with ``signer``."""
+    """Encode ``value`` and sign the record with ``signer`` (required for owned subkeys,
+    which only their owner may sign). Without a signer the record is unsigned."""
     packed = None if tombstone else msgpack.packb(value, use_bin_type=True)
     owner = subkey_owner(subkey)
-    signature = None
-    if owner is not None:
-        if signer is None or signer.public_key != owner:
-            raise RecordRejected(f"subkey {subkey[:80]!r} is owned: sign it with the owner's key")
-        signature = signer.sign(signing_payload(key, subkey, packed, expiration))
-    return Record(packed, float(expiration), signature)
+    if owner is not None and (signer is None or signer.public_key != owner):
+        raise RecordRejected(f"subkey {subkey[:80]!r} is owned: sign it with the owner's key")
+    if signer is None:
+        return Record(packed, float(expiration))
+    expiration = float(expiration)
+    writer = signer.public_key
+    signature = signer.sign(signing_payload(key, subkey, packed, expiration, writer))
+    return Record(packed, expiration, signature, writer)
 
 
-def check_ownership(key: str, subkey: str, record: Record) -> None:
-    """Reject a write to an owned subkey that its owner did not sign."""
+def check_signature(key: str, subkey: str, record: Record) -> None:
+    """Reject a record whose signature does not verify with the writer it names, and a write
+    to an owned subkey that its owner did not sign. Unsigned open records pass (the store's
+    writer policy decides about them)."""
     owner = subkey_owner(subkey)
-    if owner is None:
+    if record.signature is None or record.writer is None:
+        if owner is not None:
+            raise RecordRejected(f"unsigned write to owned subkey {subkey[:80]!r}")
         return
-    if record.signature is None:
-        raise RecordRejected(f"unsigned write to owned subkey {subkey[:80]!r}")
+    if owner is not None and record.writer != owner:
+        raise RecordRejected(f"subkey {subkey[:80]!r} is owned by another key than the record's writer")
     if not verify_signature(
-        owner, signing_payload(key, subkey, record.value, record.expiration), record.signature
+        record.writer,
+        signing_payload(key, subkey, record.value, record.expiration, record.writer),
+        record.signature,
     ):
-        raise RecordRejected(f"signature on {key!r}/{subkey[:80]!r} does not verify with its owner's key")
+        raise RecordRejected(f"signature on {key!r}/{subkey[:80]!r} does not verify with its writer's key")

@@ -6,6 +6,9 @@ reach them on other nodes. Writes go to every replica in parallel. Reads ask eve
 merge newest-wins (counting only copies that pass the store rules) and repair replicas that
 answered without the winner. When membership changes, a node hands the records it holds to
 their new replicas; every few periods, digest anti-entropy sends replicas what they lack.
+Every path ends in the same checks (``RecordStore.validate``: the writer's signature above
+all). A store request carries its sender's own membership claim, so a replica that has not
+heard of a node that just joined learns it before judging the records it wrote.
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ class Replication:
         client: RpcClient,
         records_gauge: Any,
         spawn: Callable[[Coroutine], None],
+        sender: Callable[[], Any] = lambda: None,
+        introduce: Callable[[Any], None] = lambda update: None,
     ):
         """``replicas(key)``: the members that hold ``key`` now; ``records_gauge``: set to the
         number of records held whenever a store changes it; ``spawn``: runs a background task
-        the node cancels when it stops (read repair)."""
+        the node cancels when it stops (read repair); ``sender()``: this node's membership
+        update, sent with every store; ``introduce(update)``: merge a store's sender."""
         self.node_id = node_id
         self.records = records
         self.replicas = replicas
@@ -52,6 +58,8 @@ class Replication:
         self.client = client
         self._records_gauge = records_gauge
         self._spawn = spawn
+        self._sender = sender
+        self._introduce = introduce
         self._replica_memo: dict[str, frozenset[str]] = {}  # key -> replicas it was last handed to
         for method, handler in (
             (Method.DHT_STORE, self._on_store),
@@ -86,6 +94,7 @@ class Replication:
 
     async def _on_store(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
+        self._introduce(meta.get("from"))
         stored, errors = self._accept_items(meta.get("items"), meta.get("now"))
         return Payload({"stored": stored, "errors": errors})
 
@@ -132,7 +141,7 @@ class Replication:
         reply = await self.client.call(
             member.address,
             Method.DHT_STORE,
-            {"items": [[k, s, r.to_wire()] for k, s, r in items], "now": time.time()},
+            {"items": [[k, s, r.to_wire()] for k, s, r in items], "now": time.time(), "from": self._sender()},
             timeout_s=self.config.op_timeout_s,
         )
         meta = reply.meta if isinstance(reply.meta, dict) else {}

@@ -1,20 +1,26 @@
 """One node's share of the DHT: records it holds as a replica, and the rules for accepting them.
 
 Every record is checked on receive — key and value sizes, expiration bounds, the sender's
-clock, ownership signatures, and the validators registered for its key prefix — before it
-is stored. Among copies of one subkey the newest expiration wins (ties broken by value, so
+clock, the writer's signature (and, in an authorized run, whether the writer may write at
+all), and the validators registered for its key prefix — before it is stored. Signatures this
+store has verified are remembered (by their bytes), so the copies of one record arriving from
+several replicas and repair paths cost one check. Among copies of one subkey the newest expiration wins (ties broken by value, so
 every replica picks the same one).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agora_core.dht.records import MAX_KEY_CHARS, MAX_SUBKEY_CHARS, Record, RecordRejected, check_ownership
+from agora_core.dht.records import MAX_KEY_CHARS, MAX_SUBKEY_CHARS, Record, RecordRejected, check_signature
 
 Validator = Callable[[str, str, Any], None]  # (key, subkey, decoded value); raises RecordRejected
+WriterPolicy = Callable[[bytes | None], None]  # (writer's public key or None); raises RecordRejected
+VERIFIED_ENTRIES = 8192
 
 
 class Validators:
@@ -62,9 +68,17 @@ def newer(new: Record, old: Record) -> bool:
 class RecordStore:
     """Records this node holds. Owned by the node's event loop."""
 
-    def __init__(self, limits: StoreLimits | None = None, validators: Validators | None = None):
+    def __init__(
+        self,
+        limits: StoreLimits | None = None,
+        validators: Validators | None = None,
+        writers: WriterPolicy | None = None,
+    ):
+        """``writers``: who may write at all (an authorized run's members); default anyone."""
         self.limits = limits or StoreLimits()
         self.validators = validators or Validators()
+        self.writers = writers or (lambda writer: None)
+        self._verified: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._data: dict[str, dict[str, Record]] = {}
         self._count = 0
 
@@ -97,8 +111,23 @@ class RecordStore:
                 raise RecordRejected(
                     f"sender clock is {sender_now - now:+.1f} s off; the bound is {limits.max_clock_skew_s:.0f} s"
                 )
-        check_ownership(key, subkey, record)
+        self.writers(record.writer)
+        self._check_signature(key, subkey, record)
         self.validators.check(key, subkey, record)
+
+    def _check_signature(self, key: str, subkey: str, record: Record) -> None:
+        if record.signature is None:
+            check_signature(key, subkey, record)  # owned subkeys need one
+            return
+        value_hash = hashlib.blake2b(record.value or b"", digest_size=16).digest()
+        seen = (record.signature, record.writer, key, subkey, record.expiration, value_hash)
+        if seen in self._verified:
+            self._verified.move_to_end(seen)
+            return
+        check_signature(key, subkey, record)
+        self._verified[seen] = None
+        if len(self._verified) > VERIFIED_ENTRIES:
+            self._verified.popitem(last=False)
 
     def put(self, key: str, subkey: str, record: Record, *, now: float) -> bool:
         """Keep ``record`` if it is newer than the copy held; returns whether it was kept."""

@@ -97,8 +97,6 @@ class RunNode:
         self.client = RpcClient(
             config=rpc, link=link, metrics=metrics, node_id=key.node_id, security=self.security
         )
-        if self.security is not None:
-            self.security.add_resolver(self._member_key)
         validators = Validators()
         register_validators(validators, run.name, run.admission.authorizer_key_bytes)
         self.dht = DhtNode(
@@ -110,7 +108,12 @@ class RunNode:
             client=self.client,
             metrics=metrics,
             validators=validators,
+            # an authorized run's members hold credentials; claims without one are refused
+            verifier=None if self.security is None else self.security.verifier,
+            credential=self.credential_value,
         )
+        if self.security is not None:
+            self.security.add_resolver(self.dht.key_for_address)  # members' keys, for dialing
 
     def _bootstrap(self, run: RunConfig, bootstrap: Sequence[str], authorizer: str | None) -> list[str]:
         """The bootstrap addresses, their keys noted for the secure transport."""
@@ -137,16 +140,6 @@ class RunNode:
                 addresses.append(address)  # the authorizer is a member: it can let a node in too
         return addresses
 
-    def _member_key(self, address: str) -> bytes | None:
-        """The key of the DHT member at ``address`` (the transport dials only known keys)."""
-        table = self.dht.table
-        if table is None:
-            return None
-        for member in table.live():
-            if member.address == address:
-                return member.public_key
-        return None
-
     def credential_value(self) -> Any:
         """This node's credential as the wire carries it (None before it has one)."""
         return None if self.credential is None else self.credential.to_value()
@@ -156,6 +149,8 @@ class RunNode:
         self.credential = credential
         if self.security is not None:
             self.security.credential_changed()
+        if self.dht.table is not None:  # a member already: its claim carries the new one
+            self.dht.credential_changed()
 
     def observe_revocations(self, revocations: Revocations | None) -> None:
         """A revocation list just read or published: its nodes' connections are dropped."""

@@ -9,6 +9,10 @@ Figures:
       node uses; the blocking-socket figure is printed for reference)
   (c) per-chunk LZ4 policy: effective throughput on random float32 with the policy vs without,
       and bytes on the wire for zero-heavy data with the policy vs without
+  (d) authenticated (a): CURVE encryption, credential greeting, caller checked on every
+      request, vs bare pyzmq CURVE PUSH/PULL of the same bytes (and vs plain Agora of (a))
+  (e) authenticated (b): small-request round trip p50/p99 vs bare CURVE asyncio REQ/REP (and
+      vs plain Agora of (b))
 
 Every server runs in its own process, the client in this one, over loopback TCP. Each figure
 is the median over several interleaved rounds (the machine is shared and noisy).
@@ -30,7 +34,18 @@ import zmq
 import zmq.asyncio
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _secured import (
+    AUTHORIZER_SEED_ENV,
+    SERVER_SEED_ENV,
+    curve_client,
+    curve_server,
+    key_from_env,
+    new_seeds,
+    security_of,
+)
+from agora_core.auth.security import TransportSecurity
 from agora_core.codec import CompressionPolicy
+from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
 from agora_core.testing import spawn_python
@@ -45,8 +60,11 @@ NO_LZ4 = RpcConfig(wire=WireConfig(compression=CompressionPolicy(enabled=False))
 # --- servers (each runs as `transport.py --serve KIND` in its own process) --------------------
 
 
-async def serve_agora() -> None:
-    server = RpcServer(listen="127.0.0.1:0")
+async def serve_agora(key: NodeKey | None) -> None:
+    """``key`` (every server's): its NodeKey when it serves the authenticated figures
+    (``--secure``, seeds in the environment), else None."""
+    security = None if key is None else security_of(key, key_from_env(AUTHORIZER_SEED_ENV))
+    server = RpcServer(listen="127.0.0.1:0", security=security)
 
     async def ping(request):
         return Payload(request.meta)
@@ -71,20 +89,25 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def serve_rep() -> None:
+def serve_rep(key: NodeKey | None) -> None:
     _exit_when_stdin_closes()
     sock = zmq.Context.instance().socket(zmq.REP)
+    if key is not None:
+        curve_server(sock, key)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(f"ADDRESS tcp://127.0.0.1:{port}", flush=True)
     while True:
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
-def serve_pull() -> None:
-    """PULL the bytes; after each batch (announced by a 1-frame b"n" message), ack on PUSH."""
+def serve_pull(key: NodeKey | None) -> None:
+    """PULL the bytes; after each batch (announced by a 1-frame b"n" message), ack on PUSH.
+    Secured, the data socket is a CURVE server (the tiny ack stays plain)."""
     _exit_when_stdin_closes()
     ctx = zmq.Context.instance()
     pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    if key is not None:
+        curve_server(pull, key)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     ack_port = ack.bind_to_random_port("tcp://127.0.0.1")
     print(f"ADDRESS tcp://127.0.0.1:{port} tcp://127.0.0.1:{ack_port}", flush=True)
@@ -128,9 +151,28 @@ async def agora_rtts(client: RpcClient, address: str, calls: int) -> list[float]
     return rtts
 
 
-async def raw_async_rtts(address: str, calls: int) -> list[float]:
+async def first_call_s(
+    address: str, security: TransportSecurity | None = None, server_key: bytes = b""
+) -> float:
+    """A fresh client's first small call: connecting included, and with a security the CURVE
+    handshake and the credential greeting both ways."""
+    async with RpcClient(security=security, node_id=security.key.node_id if security else "") as fresh:
+        if security is not None:
+            security.expect(address, server_key)
+        t0 = time.perf_counter()
+        await fresh.call(address, "ping", 0)
+        return time.perf_counter() - t0
+
+
+async def raw_async_rtts(
+    address: str, calls: int, server_key: bytes | None = None, *, with_connect: bool = False
+) -> list[float]:
+    """Round trips on a fresh REQ socket; a CURVE client of ``server_key`` when given. The
+    first (connecting, and the CURVE handshake) is left out unless ``with_connect``."""
     sock = zmq.asyncio.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    if server_key is not None:
+        curve_client(sock, server_key)
     sock.connect(address)
     rtts = []
     try:
@@ -141,7 +183,7 @@ async def raw_async_rtts(address: str, calls: int) -> list[float]:
             rtts.append(time.perf_counter() - t0)
     finally:
         sock.close()
-    return rtts[1:]  # the first includes connecting
+    return rtts if with_connect else rtts[1:]  # the first includes connecting
 
 
 def raw_blocking_rtts(address: str, calls: int) -> list[float]:
@@ -169,33 +211,66 @@ async def run(report: Report, rounds: int, calls: int) -> None:
     noise = rng.random(BIG // 4, dtype=np.float32)  # 64 MiB of incompressible float32
     zeros = np.zeros(BIG // 4, dtype=np.float32)
     zeros[::1024] = rng.random(zeros[::1024].size, dtype=np.float32)  # 99.9% zeros
+    payload = memoryview(noise).cast("B")
+    seeds = new_seeds()  # (d), (e): the run's authorizer and the servers' key, for this run only
+    authorizer, server_key = key_from_env(AUTHORIZER_SEED_ENV, seeds), key_from_env(SERVER_SEED_ENV, seeds)
+    secure = lambda kind: spawn_python([SCRIPT, "--serve", kind, "--secure"], env=seeds)  # noqa: E731
     with (
         spawn_python([SCRIPT, "--serve", "agora"]) as agora_node,
         spawn_python([SCRIPT, "--serve", "rep"]) as rep_node,
         spawn_python([SCRIPT, "--serve", "pull"]) as pull_node,
+        secure("agora") as auth_node,
+        secure("rep") as curve_rep_node,
+        secure("pull") as curve_pull_node,
     ):
         agora_address = agora_node.read_until("ADDRESS ")
         rep_address = rep_node.read_until("ADDRESS ")
-        pull_address, ack_address = pull_node.read_until("ADDRESS ").split()
+        auth_address = auth_node.read_until("ADDRESS ")
+        curve_rep_address = curve_rep_node.read_until("ADDRESS ")
         ctx = zmq.Context.instance()
         push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        push.connect(pull_address)
-        ack.connect(ack_address)
-        async with RpcClient() as client, RpcClient(config=NO_LZ4) as plain:
+        curve_push, curve_ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        curve_client(curve_push, server_key.public_key)  # the ack stays plain, as the server's
+        for node, sockets in ((pull_node, (push, ack)), (curve_pull_node, (curve_push, curve_ack))):
+            for sock, address in zip(sockets, node.read_until("ADDRESS ").split(), strict=True):
+                sock.connect(address)
+        client_key = NodeKey.generate()
+        secured = RpcClient(security=security_of(client_key, authorizer), node_id=client_key.node_id)
+        secured.security.expect(auth_address, server_key.public_key)
+        async with RpcClient() as client, RpcClient(config=NO_LZ4) as plain, secured:
             await agora_transfer_s(client, agora_address, noise, 1)  # connect and warm up
             await agora_transfer_s(plain, agora_address, noise, 1)
-            raw_push_s(push, ack, memoryview(noise).cast("B"), 1)
+            await agora_transfer_s(secured, auth_address, noise, 1)  # CURVE handshake, greeting
+            raw_push_s(push, ack, payload, 1)
+            raw_push_s(curve_push, curve_ack, payload, 1)
 
-            # (a) and (c): interleaved rounds, median seconds per 64 MiB
+            # (a), (c) and (d): interleaved rounds, median seconds per 64 MiB
             report.note(f"throughput: {rounds} rounds x {calls} transfers of 64 MiB each")
-            t_raw, t_agora, t_plain, t_zero, t_zero_plain = [], [], [], [], []
+            t_raw, t_agora, t_plain, t_zero, t_zero_plain, t_curve, t_auth = [], [], [], [], [], [], []
+
+            def agora(cli, address, tensor):
+                return lambda: agora_transfer_s(cli, address, tensor, calls)
+
+            async def curve():
+                return raw_push_s(curve_push, curve_ack, payload, calls)
+
             for i in range(rounds):
-                t_raw.append(raw_push_s(push, ack, memoryview(noise).cast("B"), calls))
+                t_raw.append(raw_push_s(push, ack, payload, calls))
                 # alternate which of a compared pair goes first: no order bias
-                pairs = [((client, t_agora), (plain, t_plain)), ((client, t_zero), (plain, t_zero_plain))]
-                for tensor, pair in zip((noise, zeros), pairs, strict=True):
-                    for cli, times in pair if i % 2 == 0 else pair[::-1]:
-                        times.append(await agora_transfer_s(cli, agora_address, tensor, calls))
+                pairs = [
+                    (
+                        (agora(client, agora_address, noise), t_agora),
+                        (agora(plain, agora_address, noise), t_plain),
+                    ),
+                    (
+                        (agora(client, agora_address, zeros), t_zero),
+                        (agora(plain, agora_address, zeros), t_zero_plain),
+                    ),
+                    ((agora(secured, auth_address, noise), t_auth), (curve, t_curve)),
+                ]
+                for pair in pairs:
+                    for measure, times in pair if i % 2 == 0 else pair[::-1]:
+                        times.append(await measure())
             gbps = lambda seconds: BIG / statistics.median(seconds) / 1e9  # noqa: E731
             report.compare(
                 "tensor_64MiB_request_throughput",
@@ -206,13 +281,24 @@ async def run(report: Report, rounds: int, calls: int) -> None:
             )
             report.add("raw_push_pull_throughput", gbps(t_raw), "GB/s")
 
-            # (b) small requests
+            # (b) and (e): small requests
             report.note(f"round trips: {rounds} rounds x {calls * 200} small requests")
-            ours, raw_async, raw_block = [], [], []
-            for _ in range(rounds):
-                ours += await agora_rtts(client, agora_address, calls * 200)
-                raw_async += await raw_async_rtts(rep_address, calls * 200)
-                raw_block += raw_blocking_rtts(rep_address, calls * 200)
+            ours, raw_async, raw_block, auth, curve_async = [], [], [], [], []
+            connect_plain, connect_auth, connect_curve = [], [], []  # (e): fresh connections
+            n = calls * 200
+            for i in range(rounds):
+                ours += await agora_rtts(client, agora_address, n)
+                raw_async += await raw_async_rtts(rep_address, n)
+                raw_block += raw_blocking_rtts(rep_address, n)
+                pair = [(auth, agora_rtts(secured, auth_address, n))]
+                pair.append((curve_async, raw_async_rtts(curve_rep_address, n, server_key.public_key)))
+                for rtts, measure in pair if i % 2 == 0 else pair[::-1]:
+                    rtts += await measure
+                connect_plain.append(await first_call_s(agora_address))
+                fresh = security_of(NodeKey.generate(), authorizer)
+                connect_auth.append(await first_call_s(auth_address, fresh, server_key.public_key))
+                rtt = await raw_async_rtts(curve_rep_address, 0, server_key.public_key, with_connect=True)
+                connect_curve += rtt
             for q in (50, 99):
                 report.compare(
                     f"small_request_rtt_p{q}",
@@ -249,14 +335,45 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 target="ratio < 1: bytes shrink",
             )
             report.compare("lz4_policy_zero_heavy_throughput", gbps(t_zero), gbps(t_zero_plain), "GB/s")
+
+            # (d) and (e): authenticated and encrypted, against bare CURVE sockets
+            report.compare(
+                "auth_tensor_64MiB_request_throughput",
+                gbps(t_auth),
+                gbps(t_curve),
+                "GB/s",
+                target="ratio >= 0.8 vs bare CURVE PUSH/PULL",
+            )
+            report.add("bare_curve_push_pull_throughput", gbps(t_curve), "GB/s")
+            report.compare("auth_tensor_64MiB_vs_plain_agora", gbps(t_auth), gbps(t_agora), "GB/s")
+            for q in (50, 99):
+                report.compare(
+                    f"auth_small_request_rtt_p{q}",
+                    percentile(auth, q) * 1e6,
+                    percentile(curve_async, q) * 1e6,
+                    "us",
+                    target="ratio <= 1.5 vs bare CURVE asyncio REQ/REP" if q == 50 else None,
+                )
+            report.compare(
+                "auth_small_request_rtt_p50_vs_plain_agora",
+                percentile(auth, 50) * 1e6,
+                percentile(ours, 50) * 1e6,
+                "us",
+            )
+            # a connection's setup: the CURVE handshake, then the greeting (once per connection)
+            ms = lambda seconds: statistics.median(seconds) * 1e3  # noqa: E731
+            report.compare("auth_first_call_on_new_connection", ms(connect_auth), ms(connect_plain), "ms")
+            report.compare(
+                "auth_first_call_vs_bare_curve_first_round_trip", ms(connect_auth), ms(connect_curve), "ms"
+            )
         # Where links are slower than LZ4 (the internet, not loopback) the policy pays in time too.
         link = LinkEmulator(LinkConfig(up_bits_per_s=1e9))
         async with RpcClient(link=link) as shaped, RpcClient(link=link, config=NO_LZ4) as shaped_plain:
             on_s = await agora_transfer_s(shaped, agora_address, zeros, 1)
             off_s = await agora_transfer_s(shaped_plain, agora_address, zeros, 1)
         report.compare("lz4_policy_zero_heavy_over_1gbit_link", BIG / on_s / 1e9, BIG / off_s / 1e9, "GB/s")
-        push.close()
-        ack.close()
+        for sock in (push, ack, curve_push, curve_ack):
+            sock.close()
 
 
 def main() -> None:
@@ -265,13 +382,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
     parser.add_argument("--calls", type=int, default=4, help="64 MiB transfers per round")
     parser.add_argument("--serve", choices=["agora", "rep", "pull"], help=argparse.SUPPRESS)
+    parser.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)  # with --serve
     args = parser.parse_args()
-    if args.serve == "agora":
-        return asyncio.run(serve_agora())
-    if args.serve == "rep":
-        return serve_rep()
-    if args.serve == "pull":
-        return serve_pull()
+    if args.serve is not None:
+        key = key_from_env(SERVER_SEED_ENV) if args.secure else None
+        if args.serve == "agora":
+            return asyncio.run(serve_agora(key))
+        return {"rep": serve_rep, "pull": serve_pull}[args.serve](key)
     report = Report("transport", as_json=args.json)
     asyncio.run(run(report, args.rounds, args.calls))
     report.finish()

@@ -12,6 +12,9 @@ For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
     dies (its connections drop, which triggers an immediate probe) and a node in its own
     process frozen with SIGSTOP (nothing drops: only the probe cycle finds it)
   * steady state: messages and bytes per node per second (flat or logarithmic in N)
+  * authenticated (unless --no-auth): the same latencies in a swarm of an authorized run
+    (CURVE connections, credentialed members, signed claims and records) against the plain
+    swarm's (target: get p99 <= 1.2x)
 
 With --latency-ms, every node sits behind an emulated link of that one-way latency, so
 network time dominates CPU time as it does across the internet.
@@ -34,6 +37,7 @@ import time
 import numpy as np
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _secured import security_of
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht import DhtNode, Status
@@ -67,24 +71,33 @@ async def wait_for(predicate, *, timeout_s: float, poll_s: float = 0.02) -> floa
 
 
 class Swarm:
-    def __init__(self, size: int, latency_ms: float, rng: random.Random):
+    def __init__(self, size: int, latency_ms: float, rng: random.Random, authorizer: NodeKey | None = None):
+        """With ``authorizer``, an authorized run's swarm: CURVE connections with a greeting,
+        members admitted by their credentials (signed by it), signed claims and records."""
         self.size = size
         self.rng = rng
+        self.authorizer = authorizer
         # Every node may talk to every other; bound open connections so 2 ends x N x peers
         # stays inside the process's file descriptor limit.
         self.rpc = RpcConfig(max_connections=max(16, min(64, 12000 // (2 * size))))
         self.link = LinkConfig(latency_s=latency_ms / 1000) if latency_ms else None
         self.nodes: list[DhtNode] = []
 
-    def make(self, bootstrap: list[str]) -> DhtNode:
+    def make(self, bootstrap: list[DhtNode]) -> DhtNode:
         link = LinkEmulator(self.link) if self.link else None
+        key, security = NodeKey.generate(), None
+        if self.authorizer is not None:
+            security = security_of(key, self.authorizer)
+            for node in bootstrap:  # a bootstrap address names its node's key
+                security.expect(node.address, node.key.public_key)
         return DhtNode(
-            key=NodeKey.generate(),
+            key=key,
             config=CONFIG,
-            bootstrap=bootstrap,
+            bootstrap=[node.address for node in bootstrap],
             rpc_config=self.rpc,
             link=link,
             seed=self.rng.randrange(1 << 30),
+            security=security,
         )
 
     async def start(self) -> None:
@@ -92,7 +105,7 @@ class Swarm:
         await seed.start()
         self.nodes.append(seed)
         for _ in range(self.size - 1):
-            node = self.make([seed.address])
+            node = self.make([seed])
             await node.start()
             self.nodes.append(node)
 
@@ -123,7 +136,7 @@ class Swarm:
         await asyncio.gather(*(n.stop(leave=False) for n in self.nodes), return_exceptions=True)
 
 
-async def measure(report: Report, size: int, ops: int, latency_ms: float) -> None:
+async def measure(report: Report, size: int, ops: int, latency_ms: float, authenticated: bool) -> None:
     rng = random.Random(size)
     swarm = Swarm(size, latency_ms, rng)
     period = CONFIG.gossip_period_s
@@ -137,7 +150,7 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float) -> Non
         )
 
         # join: a newcomer in every view
-        newcomer = swarm.make([swarm.nodes[rng.randrange(size)].address])
+        newcomer = swarm.make([swarm.nodes[rng.randrange(size)]])
         started = time.monotonic()
         await newcomer.start()
         swarm.nodes.append(newcomer)
@@ -160,28 +173,11 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float) -> Non
         report.add(f"N={size} steady_bytes_per_node", nbytes, "B/s")
 
         # latency: one RPC round trip vs store and get, interleaved, same swarm, same time
-        expiration = time.time() + 600
-        rtts, stores, gets = [], [], []
-        keys = []
-        for i in range(ops):
-            a, b = rng.sample(swarm.nodes, 2)
-            t = time.perf_counter()
-            await a.client.call(b.address, Method.DHT_GET, {"keys": []})  # a minimal handler
-            rtts.append(time.perf_counter() - t)
-            key = f"bench/{size}/{i}"
-            t = time.perf_counter()
-            await a.store(key, "v", i, expiration)
-            stores.append(time.perf_counter() - t)
-            keys.append(key)
-            reader = rng.choice(swarm.nodes)
-            t = time.perf_counter()
-            value = await reader.get(rng.choice(keys))
-            gets.append(time.perf_counter() - t)
-            assert value, "a stored key read back empty"
-        rtt50, rtt99 = np.percentile(rtts, 50) * 1e3, np.percentile(rtts, 99) * 1e3
+        plain = await latencies(swarm, ops, rng, size)
+        rtt50, rtt99 = plain["rpc"]
         report.add(f"N={size} rpc_round_trip_p50", rtt50, "ms")
-        for name, samples in (("get", gets), ("store", stores)):
-            p50, p99 = np.percentile(samples, 50) * 1e3, np.percentile(samples, 99) * 1e3
+        for name in ("get", "store"):
+            p50, p99 = plain[name]
             report.compare(f"N={size} {name}_p50", p50, rtt50, "ms")
             report.compare(
                 f"N={size} {name}_p99", p99, rtt99, "ms", target="ratio <= 2 vs one RPC round trip p99"
@@ -205,6 +201,64 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float) -> Non
             frozen[2].close()
     finally:
         await swarm.stop()
+    if authenticated:
+        await measure_authenticated(report, size, ops, latency_ms, plain)
+
+
+async def latencies(swarm: Swarm, ops: int, rng: random.Random, size: int) -> dict[str, tuple[float, float]]:
+    """(p50, p99) in ms of one plain RPC round trip, a store and a get, interleaved, once every
+    node has called every other: steady-state figures, not the cost of opening connections
+    (a connection is opened once in a node's life; an authenticated one costs a few ms more)."""
+    for a in swarm.nodes:
+        others = [b for b in swarm.nodes if b is not a]
+        await asyncio.gather(*(a.client.call(b.address, Method.DHT_GET, {"keys": []}) for b in others))
+    expiration = time.time() + 600
+    rtts, stores, gets = [], [], []
+    keys = []
+    for i in range(ops):
+        a, b = rng.sample(swarm.nodes, 2)
+        t = time.perf_counter()
+        await a.client.call(b.address, Method.DHT_GET, {"keys": []})  # a minimal handler
+        rtts.append(time.perf_counter() - t)
+        key = f"bench/{size}/{i}"
+        t = time.perf_counter()
+        await a.store(key, "v", i, expiration)
+        stores.append(time.perf_counter() - t)
+        keys.append(key)
+        reader = rng.choice(swarm.nodes)
+        t = time.perf_counter()
+        value = await reader.get(rng.choice(keys))
+        gets.append(time.perf_counter() - t)
+        assert value, "a stored key read back empty"
+    return {
+        name: (np.percentile(samples, 50) * 1e3, np.percentile(samples, 99) * 1e3)
+        for name, samples in (("rpc", rtts), ("store", stores), ("get", gets))
+    }
+
+
+async def measure_authenticated(
+    report: Report, size: int, ops: int, latency_ms: float, plain: dict[str, tuple[float, float]]
+) -> None:
+    """The same latencies in an authorized run's swarm of the same size, against the plain one's."""
+    rng = random.Random(size + 1)
+    swarm = Swarm(size, latency_ms, rng, authorizer=NodeKey.generate())
+    report.note(f"N={size}: starting the authenticated swarm")
+    await swarm.start()
+    try:
+        await wait_for(swarm.converged, timeout_s=60 + size)
+        secured = await latencies(swarm, ops, rng, size)
+    finally:
+        await swarm.stop()
+    report.compare(f"N={size} auth_rpc_round_trip_p50", secured["rpc"][0], plain["rpc"][0], "ms")
+    for name in ("get", "store"):
+        report.compare(f"N={size} auth_{name}_p50", secured[name][0], plain[name][0], "ms")
+        report.compare(
+            f"N={size} auth_{name}_p99",
+            secured[name][1],
+            plain[name][1],
+            "ms",
+            target="ratio <= 1.2 vs the same without authentication",
+        )
 
 
 async def report_crash(report: Report, swarm: Swarm, node_id: str, started: float, name: str, target: float):
@@ -233,9 +287,9 @@ async def report_crash(report: Report, swarm: Swarm, node_id: str, started: floa
     )
 
 
-async def run(report: Report, sizes: list[int], ops: int, latency_ms: float) -> None:
+async def run(report: Report, sizes: list[int], ops: int, latency_ms: float, authenticated: bool) -> None:
     for size in sizes:
-        await measure(report, size, ops, latency_ms)
+        await measure(report, size, ops, latency_ms, authenticated)
 
 
 def main() -> None:
@@ -244,13 +298,16 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=300, help="stores and gets per swarm size")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way link latency")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--no-auth", action="store_true", help="skip the authenticated swarm (its latencies vs these)"
+    )
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many sockets in one process
     configure_logging(fmt="console", level="warning")
     report = Report("dht", as_json=args.json)
     report.note(f"gossip period {CONFIG.gossip_period_s} s, link latency {args.latency_ms} ms one way")
-    asyncio.run(run(report, args.sizes, args.ops, args.latency_ms))
+    asyncio.run(run(report, args.sizes, args.ops, args.latency_ms, not args.no_auth))
     report.finish()
 
 

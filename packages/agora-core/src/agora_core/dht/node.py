@@ -31,6 +31,7 @@ from agora_core.dht.membership import Member, MemberTable, Status
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
 from agora_core.dht.replication import Replication
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
+from agora_core.auth.security import TransportSecurity
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -73,10 +74,17 @@ class DhtNode:
         seed: int | None = None,
         verifier: PeerVerifier | None = None,
         credential: Callable[[], Any] | None = None,
+        security: TransportSecurity | None = None,
     ):
         """``verifier``: the run's credential checks (None: an open run, anyone may join);
         ``credential()``: this node's current signed credential value (None in an open run
-        and for the authorizer), read whenever the node signs its membership claim."""
+        and for the authorizer), read whenever the node signs its membership claim.
+        ``security``: the authenticated transport of the RPC server and client the node makes
+        itself (its verifier is the default ``verifier``; RunNode passes its own server and
+        client instead)."""
+        if security is not None:  # its checks and its credential, unless told otherwise
+            verifier = verifier or security.verifier
+            credential = credential or security.credential
         self.key = key
         self.node_id = key.node_id
         self.config = config or DhtConfig()
@@ -86,11 +94,18 @@ class DhtNode:
         self.metrics = metrics or NodeMetrics(role="dht", instance=self.node_id[:12])
         self._owns_rpc = server is None
         self.server = server or RpcServer(
-            listen=listen, config=rpc_config, link=link, metrics=self.metrics, node_id=self.node_id
+            listen=listen,
+            config=rpc_config,
+            link=link,
+            metrics=self.metrics,
+            node_id=self.node_id,
+            security=security,
         )
         self.client = client or RpcClient(
-            config=rpc_config, link=link, metrics=self.metrics, node_id=self.node_id
+            config=rpc_config, link=link, metrics=self.metrics, node_id=self.node_id, security=security
         )
+        if security is not None and client is None:
+            security.add_resolver(self.key_for_address)  # dial members by the keys they claimed
         limits = StoreLimits(
             max_value_bytes=self.config.max_value_bytes,
             max_subkeys=self.config.max_subkeys,

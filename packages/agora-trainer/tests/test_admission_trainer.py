@@ -15,12 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from agora_authorizer.testing import OPEN_FLOORS, AuthorizerProcess, authorizer_process
+from agora_authorizer.testing import (
+    OPEN_FLOORS,
+    AuthorizerProcess,
+    RunObserver,
+    authorizer_process,
+    write_run,
+)
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings, parse_run_config
-from agora_core.config.run import DhtConfig
 from agora_core.contract import Phase
-from agora_core.dht import BlockingDht, owned_subkey
+from agora_core.dht import owned_subkey
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
@@ -32,7 +37,6 @@ from agora_trainer.trainer import Trainer, TrainerSettings
 
 pytestmark = pytest.mark.slow
 START_S = 60.0  # a trainer process starts and is admitted
-DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0, op_timeout_s=1.0)
 RUN = """
 name = "{name}"
 [model]
@@ -65,21 +69,13 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def seed() -> Iterator[BlockingDht]:
-    dht = BlockingDht(key=NodeKey.generate(), config=DHT, timeout_s=10.0)
-    dht.start()
-    try:
-        yield dht
-    finally:
-        dht.stop()
-
-
 @contextlib.contextmanager
-def authorizer(tmp_path: Path, name: str, *, lifetime_s: float, seed: BlockingDht | None = None):
+def authorizer(tmp_path: Path, name: str, *, lifetime_s: float, key: NodeKey | None = None, seed: str = ""):
+    """An authorizer of run ``name`` (with ``key``, if given), in its own DHT or, with ``seed``
+    (a ``<hex key>@address``), in that member's."""
     run = parse_run_config(RUN.format(name=name, floors=OPEN_FLOORS, lifetime_s=lifetime_s))
-    extra = ("--allow-local-build",) + (("--bootstrap", seed.address) if seed is not None else ())
-    with authorizer_process(tmp_path / "authz", run, extra=extra) as process:
+    extra = ("--allow-local-build",) + (("--bootstrap", seed) if seed else ())
+    with authorizer_process(tmp_path / "authz", run, key=key, extra=extra) as process:
         yield process
 
 
@@ -125,16 +121,24 @@ def test_a_trainer_whose_refresh_is_refused_stops_with_the_credential_lost_code(
             assert time.monotonic() - started <= lifetime_s + 5.0
 
 
-async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(tmp_path, shards, seed):
+async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(tmp_path, shards):
+    # the test's own credentialed member of the run's DHT (the seed the authorizer and the
+    # trainer join through), where the workers' announcements are stored
+    authorizer_key = NodeKey.generate()
+    name = "adm-routing"
+    run = parse_run_config(RUN.format(name=name, floors=OPEN_FLOORS, lifetime_s=60.0))
+    run, _ = write_run(tmp_path, run, authorizer_key)
     authz_stack = contextlib.ExitStack()
-    authz = await asyncio.to_thread(
-        authz_stack.enter_context, authorizer(tmp_path, "adm-routing", lifetime_s=60.0, seed=seed)
-    )
+    seed = await asyncio.to_thread(authz_stack.enter_context, RunObserver(run, authorizer_key, role="dht"))
     try:
+        authz = await asyncio.to_thread(
+            authz_stack.enter_context,
+            authorizer(tmp_path, name, lifetime_s=60.0, key=authorizer_key, seed=seed.peer),
+        )
         token = await asyncio.to_thread(authz.add_account, "acme")
         run, key = authz.run, NodeKey.generate()
         metrics = NodeMetrics(role="trainer")
-        node = RunNode(run=run, key=key, metrics=metrics, bootstrap=[seed.address])
+        node = RunNode(run=run, key=key, metrics=metrics, bootstrap=[seed.peer], authorizer=authz.address)
         settings = NodeSettings(authorizer=authz.address, account="acme", account_token=token)
         admission = NodeAdmission(
             run=run, node=node, key=key, role="trainer", settings=settings, hardware=cpu_hardware()

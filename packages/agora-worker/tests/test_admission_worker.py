@@ -5,7 +5,6 @@ credential_lost exit code. And the command line's rules on --stage and --authori
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import subprocess
@@ -18,12 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agora_authorizer.testing import OPEN_FLOORS, AuthorizerProcess, authorizer_process
+from agora_authorizer.testing import (
+    OPEN_FLOORS,
+    AuthorizerProcess,
+    RunObserver,
+    authorizer_process,
+    write_run,
+)
 from agora_core.config import parse_run_config
-from agora_core.config.run import DhtConfig
 from agora_core.contract import DepartureReason
-from agora_core.dht import BlockingDht
-from agora_core.rpc import RpcClient
+from agora_core.identity import NodeKey
 from agora_core.schema import WorkerDeparture, parse_entries, stage_departures_key, stage_workers_key
 from agora_core.testing import ChildProcess, spawn_python, wait_until
 from agora_worker.termination import EXIT_CODES
@@ -32,7 +35,6 @@ pytestmark = pytest.mark.slow
 KEY = "ab" * 32
 START_S = 60.0  # a worker process imports torch, is admitted, joins, announces
 CLI_S = 60.0  # one worker command that exits at once (it imports torch first)
-DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0, op_timeout_s=1.0)
 RUN = """
 name = "{name}"
 [model]
@@ -69,30 +71,32 @@ class Admitted:
 
 
 @contextlib.contextmanager
-def authorizer(
-    tmp_path: Path, name: str, *, lifetime_s: float, process_seed: BlockingDht | None
-) -> Iterator[AuthorizerProcess]:
-    """An authorizer of run ``name`` (in the DHT of ``process_seed``, where it publishes its revocation
-    list; None: a DHT of its own, so the list never reaches the worker)."""
+def authorized_run(
+    tmp_path: Path, name: str, *, lifetime_s: float, authorizer_in_dht: bool = True
+) -> Iterator[tuple[AuthorizerProcess, RunObserver]]:
+    """Authorized run ``name``: the test's observer (a credentialed DHT member the worker joins
+    through, the test's reader and caller), and an authorizer in the observer's DHT, where it
+    publishes its revocation list (``authorizer_in_dht=False``: a DHT of its own, so the list
+    never reaches the worker)."""
+    key = NodeKey.generate()
     run = parse_run_config(
         RUN.format(name=name, admission=f"{OPEN_FLOORS}credential_lifetime_s = {lifetime_s}")
     )
-    extra = ("--allow-local-build",) + (
-        ("--bootstrap", process_seed.address) if process_seed is not None else ()
-    )
-    with authorizer_process(tmp_path / "authz", run, extra=extra) as process:
-        yield process
+    run, _ = write_run(tmp_path, run, key)
+    with RunObserver(run, key) as observer:
+        extra = ("--allow-local-build",) + (("--bootstrap", observer.peer) if authorizer_in_dht else ())
+        with authorizer_process(tmp_path / "authz", run, key=key, extra=extra) as process:
+            yield process, observer
 
 
 @contextlib.contextmanager
-def admitted_worker(
-    tmp_path: Path, authz: AuthorizerProcess, process_seed: BlockingDht
-) -> Iterator[Admitted]:
-    """A worker process without --stage, admitted through ``authz``; stopped however the block ends."""
+def admitted_worker(tmp_path: Path, authz: AuthorizerProcess, observer: RunObserver) -> Iterator[Admitted]:
+    """A worker process without --stage, admitted through ``authz`` and joined through
+    ``observer`` (which knows its key once it serves); stopped however the block ends."""
     token = authz.add_account("acme")
     command = [
         *("-m", "agora_worker", "run", "--config", str(authz.config_file)),
-        *("--authorizer", authz.address, "--account", "acme", "--bootstrap", process_seed.address),
+        *("--authorizer", authz.address, "--account", "acme", "--bootstrap", observer.peer),
         *("--device", "cpu", "--key-file", str(tmp_path / "worker.key")),
         *("--progress-interval", "0.05", "--announce-interval", "0.2"),
     ]
@@ -103,30 +107,23 @@ def admitted_worker(
         stage = int(child.read_until("  stage      ", timeout_s=START_S).split()[0])
         assert f"stage {stage}" in queued or queued.startswith("admitted"), queued
         address = child.read_until("  serving    ", timeout_s=START_S)
+        wait_until(lambda: observer.knows(address), timeout_s=10, what="the worker in the observer's table")
         yield Admitted(child, node_id, stage, address)
-
-
-def call(address: str, method: str, meta: dict | None = None, tensors: dict | None = None):
-    async def once():
-        async with RpcClient() as client:
-            return await client.call(address, method, meta or {}, tensors or {}, timeout_s=5)
-
-    return asyncio.run(once())
 
 
 def status(authz: AuthorizerProcess) -> dict:
     return json.loads(authz.cli("status", "--json").stdout)
 
 
-def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path, process_seed):
-    with authorizer(tmp_path, "adm-serve", lifetime_s=6.0, process_seed=process_seed) as authz:
-        with admitted_worker(tmp_path, authz, process_seed) as worker:
+def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path):
+    with authorized_run(tmp_path, "adm-serve", lifetime_s=6.0) as (authz, observer):
+        with admitted_worker(tmp_path, authz, observer) as worker:
             assert worker.stage in (0, 1)
-            info = call(worker.address, "worker.info").meta
+            info = observer.call(worker.address, "worker.info").meta
             credential = info["credential"]
             assert info["stage"] == worker.stage and credential["valid"] and credential["lost"] is None
             assert credential["stage"] == worker.stage and credential["serial"] is not None
-            announced = process_seed.get(stage_workers_key("adm-serve", worker.stage))
+            announced = observer.get(stage_workers_key("adm-serve", worker.stage))
             assert [v.value["node_id"] for v in announced.values()] == [worker.node_id]
             tokens = np.arange(8, dtype=np.int64).reshape(1, 8)
             boundary = np.zeros((1, 8, 4), dtype=np.float32)
@@ -135,21 +132,21 @@ def test_a_worker_is_placed_by_the_authorizer_admitted_and_then_serves(tmp_path,
                 if worker.stage == 0
                 else {"tokens": tokens, "boundary": boundary, "labels": tokens}
             )
-            reply = call(worker.address, "forward", {"stage": worker.stage}, tensors)
+            reply = observer.call(worker.address, "forward", {"stage": worker.stage}, tensors)
             assert ("boundary" if worker.stage == 0 else "loss") in reply.tensors
             admitted = status(authz)["admitted"]
             assert admitted["workers_per_stage"] == {str(worker.stage): 1}
             # it keeps its credential fresh: a 6 s credential is refreshed at 4 s
             wait_until(
-                lambda: call(worker.address, "worker.info").meta["credential"]["refreshes"] >= 1,
+                lambda: observer.call(worker.address, "worker.info").meta["credential"]["refreshes"] >= 1,
                 timeout_s=15,
                 what="a credential refresh",
                 every_s=0.2,
             )
 
 
-def departure(process_seed: BlockingDht, run_name: str, worker: Admitted) -> WorkerDeparture:
-    found = process_seed.get(stage_departures_key(run_name, worker.stage))
+def departure(observer: RunObserver, run_name: str, worker: Admitted) -> WorkerDeparture:
+    found = observer.get(stage_departures_key(run_name, worker.stage))
     mine = [d for d in parse_entries(found, WorkerDeparture.from_value) if d.node_id == worker.node_id]
     assert len(mine) == 1, found
     return mine[0]
@@ -167,28 +164,31 @@ def stops_for_credential_lost(worker: Admitted, within_s: float) -> str:
     return line
 
 
-def test_a_worker_whose_refresh_is_refused_stops_serving_within_one_refresh_and_exits(tmp_path, process_seed):
+def test_a_worker_whose_refresh_is_refused_stops_serving_within_one_refresh_and_exits(tmp_path):
     lifetime_s = 6.0
     # the authorizer in a DHT of its own: only the refused refresh can tell the worker
-    with authorizer(tmp_path, "adm-refused", lifetime_s=lifetime_s, process_seed=None) as authz:
-        with admitted_worker(tmp_path, authz, process_seed) as worker:
+    with authorized_run(tmp_path, "adm-refused", lifetime_s=lifetime_s, authorizer_in_dht=False) as (
+        authz,
+        observer,
+    ):
+        with admitted_worker(tmp_path, authz, observer) as worker:
             assert "banned node" in authz.cli("ban", worker.node_id, "--kind", "node").stdout
             banned_at = time.monotonic()
             line = stops_for_credential_lost(worker, within_s=lifetime_s + 5.0)
             assert "on the run's revocation list" not in line, line  # it was the refresh
             assert time.monotonic() - banned_at <= lifetime_s + 5.0
-            assert departure(process_seed, "adm-refused", worker).reason is DepartureReason.CREDENTIAL_LOST
-            assert process_seed.get(stage_workers_key("adm-refused", worker.stage)) == {}  # withdrawn
+            assert departure(observer, "adm-refused", worker).reason is DepartureReason.CREDENTIAL_LOST
+            assert observer.get(stage_workers_key("adm-refused", worker.stage)) == {}  # withdrawn
 
 
-def test_a_worker_on_the_dht_revocation_list_stops_before_its_credential_expires(tmp_path, process_seed):
+def test_a_worker_on_the_dht_revocation_list_stops_before_its_credential_expires(tmp_path):
     # a credential of ten minutes: only the revocation list the authorizer publishes can stop it soon
-    with authorizer(tmp_path, "adm-revoked", lifetime_s=600.0, process_seed=process_seed) as authz:
-        with admitted_worker(tmp_path, authz, process_seed) as worker:
+    with authorized_run(tmp_path, "adm-revoked", lifetime_s=600.0) as (authz, observer):
+        with admitted_worker(tmp_path, authz, observer) as worker:
             authz.cli("ban", worker.node_id, "--kind", "node")
             line = stops_for_credential_lost(worker, within_s=15.0)
             assert "on the run's revocation list" in line, line
-            assert departure(process_seed, "adm-revoked", worker).reason is DepartureReason.CREDENTIAL_LOST
+            assert departure(observer, "adm-revoked", worker).reason is DepartureReason.CREDENTIAL_LOST
 
 
 def worker_cli(tmp_path, admission: str, *flags: str) -> subprocess.CompletedProcess:

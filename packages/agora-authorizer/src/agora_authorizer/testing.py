@@ -3,7 +3,9 @@
 :func:`authorizer_process` starts ``python -m agora_authorizer serve`` on a run config it
 writes (open floors, the key it creates) and stops it when the block ends. :class:`TestJoiner`
 is a node that asks to join: its own key, RPC server (serving the dial-back) and client, all
-on 127.0.0.1.
+on 127.0.0.1. :class:`RunObserver` is a test's own member of an authorized run's DHT (a seed
+the test reads, and a client that calls the run's nodes), credentialed with the authorizer's
+key directly.
 """
 
 from __future__ import annotations
@@ -11,23 +13,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agora_core.admission import HardwareReport, JoinRequest
 from agora_core.admission.answerer import DialBackAnswerer
-from agora_core.admission.credential import SignedCredential
+from agora_core.admission.credential import Credential, SignedCredential, issue_credential
 from agora_core.admission.credential_file import load_credential
 from agora_core.admission.join_client import Admission, JoinStatus
 from agora_core.admission.keeper import CredentialKeeper
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
+from agora_core.dht import BlockingDht
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
-from agora_core.rpc import RpcClient, RpcServer
+from agora_core.rpc import Payload, RpcClient, RpcServer
 from agora_core.run_node import RunNode, transport_security
 from agora_core.testing import ChildProcess, spawn_python
 
@@ -162,6 +167,83 @@ def authorizer_process(
     with spawn_python(args, env={"PYTHONUNBUFFERED": "1"}) as child:
         address = child.read_until("  serving    ", timeout_s=start_timeout_s)
         yield AuthorizerProcess(child, address, run, key, db, key_file, config_file)
+
+
+def signed_credential(
+    authorizer: NodeKey, run: RunConfig, node: NodeKey, *, role: str = "operator", lifetime_s: float = 3600.0
+) -> SignedCredential:
+    """A credential of ``run`` for ``node`` (``role``, no stage), signed with the authorizer's
+    key directly, the way ``agora-authorizer credential`` issues one (for a test's own nodes)."""
+    issued = time.time()
+    fields = Credential(
+        run=run.name,
+        node_id=node.node_id,
+        public_key=node.public_key,
+        role=role,
+        stage=None,
+        issued=issued,
+        expires=issued + lifetime_s,
+        serial=secrets.randbits(40),  # the authorizer's own serials stay far below
+        account="operator",
+    )
+    return issue_credential(authorizer, fields)
+
+
+class RunObserver(BlockingDht):
+    """A test's member of authorized ``run``'s DHT: a seed others bootstrap through
+    (:attr:`peer`), read with BlockingDht's methods, and a client that calls the run's nodes
+    (:meth:`call`) holding an operator credential signed by ``authorizer``."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(
+        self,
+        run: RunConfig,
+        authorizer: NodeKey,
+        *,
+        role: str = "operator",
+        bootstrap: Sequence[str] = (),
+        timeout_s: float = 10.0,
+    ):
+        self.key = NodeKey.generate()
+        node = {
+            "run": run,
+            "key": self.key,
+            "metrics": NodeMetrics(role="test"),
+            "bootstrap": list(bootstrap),
+            "credential": signed_credential(authorizer, run, self.key, role=role),
+        }
+        super().__init__(timeout_s=timeout_s, run_node=node)
+
+    @property
+    def peer(self) -> str:
+        """This node's bootstrap address in an authorized run: ``<hex key>@tcp://host:port``."""
+        return f"{self.key.public_key.hex()}@{self.address}"
+
+    def call(
+        self,
+        address: str,
+        method: str,
+        meta: dict | None = None,
+        tensors: dict | None = None,
+        *,
+        timeout_s: float = 5.0,
+    ) -> Payload:
+        """An authenticated call from this node (``address`` must be a member it knows)."""
+        call = self.client.call(address, method, meta or {}, tensors or {}, timeout_s=timeout_s)
+        return self.submit(call, timeout_s + 5.0)
+
+    def knows(self, address: str) -> bool:
+        """Whether ``address`` is a live member in this node's table (so its key is known)."""
+        return any(m.address == address for m in self.members())
+
+    def __enter__(self) -> RunObserver:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
 
 class TestJoiner:

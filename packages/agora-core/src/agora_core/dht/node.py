@@ -22,16 +22,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agora_core.auth.security import TransportSecurity
 from agora_core.config.run import DhtConfig
 from agora_core.dht.claims import Claims
 from agora_core.dht.directory import check_writer, key_for_address
 from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
 from agora_core.dht.membership import Member, MemberTable, Status
+from agora_core.dht.node_metrics import DhtMetrics
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
 from agora_core.dht.replication import Replication
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
-from agora_core.auth.security import TransportSecurity
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
     from agora_core.auth.peers import PeerVerifier
 
 log = get_logger("dht")
-
-OP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +121,12 @@ class DhtNode:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.address: str | None = None
-        self.recent_ops: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
-        self.ops_done = 0
-        self._declare_metrics()
+        self.stats = DhtMetrics(self.metrics)
         self.claims = Claims(
             key=key,
             verifier=verifier,
             credential=credential,
-            on_reject=lambda reason: self._m_rejected.labels(reason=reason).inc(),
+            on_reject=self.stats.rejected,
         )
         if verifier is not None:
             verifier.on_revocations(self._revocations_changed)
@@ -140,30 +137,10 @@ class DhtNode:
             config=self.config,
             server=self.server,
             client=self.client,
-            records_gauge=self._m_records,
+            records_gauge=self.stats.records,
             spawn=self._spawn,
             sender=lambda: self.table.me.to_wire() if self.table else None,
             introduce=lambda update: self.gossip.introduce(update) if self.gossip else None,
-        )
-
-    def _declare_metrics(self) -> None:
-        m = self.metrics
-        self._m_members = m.gauge("agora_dht_members", "Members in this node's view.", ["status"])
-        self._m_records = m.gauge("agora_dht_records", "Records this node holds as a replica.")
-        self._m_ops = m.counter(
-            "agora_dht_ops_total", "DHT operations, by kind and outcome.", ["op", "outcome"]
-        )
-        self._m_op_seconds = m.histogram(
-            "agora_dht_op_seconds", "DHT operation latency.", ["op"], buckets=OP_BUCKETS
-        )
-        self._m_suspicions = m.gauge("agora_dht_suspicions", "Members this node saw become suspect.")
-        self._m_refutations = m.gauge("agora_dht_refutations", "Suspicions of this node it refuted.")
-        self._m_deaths = m.gauge("agora_dht_deaths", "Members this node saw declared dead.")
-        self._m_rejected = m.counter(
-            "agora_dht_claims_rejected_total", "Membership claims refused, by reason.", ["reason"]
-        )
-        self._m_dropped = m.gauge(
-            "agora_dht_members_dropped", "Members dropped for an expired or revoked credential."
         )
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -281,12 +258,14 @@ class DhtNode:
 
     # --- metrics ----------------------------------------------------------------------------------
 
-    def _observe(self, op: str, outcome: str, started: float) -> None:
-        seconds = time.perf_counter() - started
-        self._m_ops.labels(op=op, outcome=outcome).inc()
-        self._m_op_seconds.labels(op=op).observe(seconds)
-        self.recent_ops.append((op, seconds))
-        self.ops_done += 1
+    @property
+    def recent_ops(self) -> collections.deque[tuple[str, float]]:
+        """(op, seconds) of the latest operations (status lines, benchmarks)."""
+        return self.stats.recent_ops
+
+    @property
+    def ops_done(self) -> int:
+        return self.stats.ops_done
 
     def traffic(self) -> tuple[int, int]:
         """(messages, bytes) this node has sent and received, all DHT traffic together."""
@@ -325,12 +304,12 @@ class DhtNode:
         try:
             accepted = await self.replication.write(key, subkey, record)
         except RecordRejected:
-            self._observe(op, "rejected", started)
+            self.stats.observe(op, "rejected", started)
             raise
         except DhtError:
-            self._observe(op, "unreachable", started)
+            self.stats.observe(op, "unreachable", started)
             raise
-        self._observe(op, "ok", started)
+        self.stats.observe(op, "ok", started)
         return accepted
 
     async def _get_records(self, key: str) -> dict[str, Record]:
@@ -348,14 +327,14 @@ class DhtNode:
         """All unexpired subkeys of ``key`` (empty if none), newest copy of each."""
         started = time.perf_counter()
         records = await self._get_records(key)
-        self._observe("get", "ok", started)
+        self.stats.observe("get", "ok", started)
         return self._visible(records)
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, DhtValue]]:
         """``get`` for many keys at once: one request per replica, all in parallel."""
         started = time.perf_counter()
         records = await self.replication.read(list(dict.fromkeys(keys)))
-        self._observe("get_many", "ok", started)
+        self.stats.observe("get_many", "ok", started)
         return {key: self._visible(subkeys) for key, subkeys in records.items()}
 
     async def watch(self, key: str, *, interval_s: float = 1.0) -> AsyncIterator[dict[str, DhtValue]]:
@@ -393,19 +372,8 @@ class DhtNode:
                 if tick % self.config.sync_periods == 0:
                     await self.gossip.sync()
                     await self.replication.anti_entropy()
-                self._update_gauges()
+                self.stats.update(self.table, len(self.records))
             except Exception:  # maintenance must outlive any one bad round
                 log.exception("dht_maintenance_failed", node=self.node_id[:12])
             if changed:  # at most one handoff per period, however fast the news comes
                 await asyncio.sleep(period)
-
-    def _update_gauges(self) -> None:
-        live = self.table.live()
-        suspect = sum(1 for m in live if m.status == Status.SUSPECT)
-        self._m_members.labels(status="alive").set(len(live) - suspect)
-        self._m_members.labels(status="suspect").set(suspect)
-        self._m_records.set(len(self.records))
-        self._m_suspicions.set(self.table.suspicions)
-        self._m_refutations.set(self.table.refutations)
-        self._m_deaths.set(self.table.deaths)
-        self._m_dropped.set(self.table.dropped)

@@ -65,7 +65,14 @@ def test_unsigned_forged_and_foreign_writes_to_owned_subkeys_are_rejected(store,
     tampered_value = dataclasses.replace(genuine, value=make_record(KEY, "x", {"a": 2}, NOW + 60).value)
     tampered_expiration = dataclasses.replace(genuine, expiration=NOW + 500)
     other_key = ("stage/2/workers", subkey, genuine)  # a signature does not travel to another key
-    for bad in (forged_signature, signed_by_other, unsigned, wrong_writer, tampered_value, tampered_expiration):
+    for bad in (
+        forged_signature,
+        signed_by_other,
+        unsigned,
+        wrong_writer,
+        tampered_value,
+        tampered_expiration,
+    ):
         with pytest.raises(RecordRejected):
             accept(store, KEY, subkey, bad)
     with pytest.raises(RecordRejected):
@@ -209,7 +216,9 @@ def test_claims_not_signed_by_their_member_are_refused(table):
     moved = member(other, 6, Status.ALIVE)
     moved.address = "tcp://127.0.0.1:9"  # the signature covers the address
     assert not table.apply(moved)
-    assert table.get(other.node_id).incarnation == 5 and table.get(other.node_id).address == "tcp://127.0.0.1:1"
+    assert (
+        table.get(other.node_id).incarnation == 5 and table.get(other.node_id).address == "tcp://127.0.0.1:1"
+    )
 
 
 def test_suspected_node_refutes_with_one_more_than_its_incarnation(table):

@@ -9,14 +9,12 @@ The bare-CURVE baselines use the same server key, so both pay for the same ciphe
 from __future__ import annotations
 
 import os
-import time
 
 import zmq
 
-from agora_core.admission.credential import Credential, issue_credential
-from agora_core.auth import PeerVerifier
 from agora_core.auth.curve import curve_keypair, curve_public_key
 from agora_core.auth.security import TransportSecurity
+from agora_core.auth.testing import TestAuthority
 from agora_core.identity import NodeKey
 
 RUN = "transport-benchmark"
@@ -36,21 +34,8 @@ def key_from_env(name: str, env: dict[str, str] | None = None) -> NodeKey:
 
 def security_of(key: NodeKey, authorizer: NodeKey) -> TransportSecurity:
     """``key``'s side of the run: a worker credential signed by ``authorizer``, and a verifier."""
-    issued = time.time()
-    fields = Credential(
-        run=RUN,
-        node_id=key.node_id,
-        public_key=key.public_key,
-        role="worker",
-        stage=0,
-        issued=issued,
-        expires=issued + CREDENTIAL_LIFETIME_S,
-        serial=int.from_bytes(os.urandom(5), "little"),
-        account="",
-    )
-    signed = issue_credential(authorizer, fields).to_value()
-    verifier = PeerVerifier(run=RUN, authorizer_key=authorizer.public_key)
-    return TransportSecurity(key=key, verifier=verifier, credential=lambda: signed)
+    authority = TestAuthority(RUN, authorizer)
+    return authority.security(key, authority.credential(key, lifetime_s=CREDENTIAL_LIFETIME_S))
 
 
 def curve_server(sock: zmq.Socket, key: NodeKey) -> None:

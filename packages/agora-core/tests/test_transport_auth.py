@@ -15,14 +15,10 @@ import time
 
 import pytest
 
-from agora_core.admission.credential import Credential, SignedCredential, issue_credential
-from agora_core.admission.credential_file import save_credential
+from agora_core.admission.credential import SignedCredential
 from agora_core.admission.revocations import Revocations, revocations_key
-from agora_core.auth import PeerVerifier
 from agora_core.auth.access import only
-from agora_core.auth.security import TransportSecurity
-from agora_core.config import parse_run_config
-from agora_core.config.dump import dump_toml
+from agora_core.auth.testing import TestAuthority
 from agora_core.contract import Method
 from agora_core.dht import owned_subkey
 from agora_core.errors import Forbidden, PeerRefused, RpcError, Unauthenticated
@@ -30,82 +26,18 @@ from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcServer
 from agora_core.run_node import RunNode
-from agora_core.testing import poll_until, spawn_python
-
-AUTHORIZER = NodeKey.generate()
-RUN = "auth-test"
-
-
-def run_config():
-    run = parse_run_config(
-        f'name = "{RUN}"\n[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 4\nstage_layers = [1, 1]\n'
-    )
-    admission = dataclasses.replace(
-        run.admission, mode="authorized", authorizer_public_key=AUTHORIZER.public_key.hex()
-    )
-    return dataclasses.replace(run, admission=admission)
-
-
-def credential(
-    key: NodeKey, *, run: str = RUN, lifetime_s: float = 600.0, role: str = "worker", stage: int | None = 0
-) -> SignedCredential:
-    issued = time.time()
-    fields = Credential(
-        run=run,
-        node_id=key.node_id,
-        public_key=key.public_key,
-        role=role,
-        stage=stage,
-        issued=issued,
-        expires=issued + lifetime_s,
-        serial=int(issued * 1000) % (1 << 40),
-        account="tests",
-    )
-    return issue_credential(AUTHORIZER, fields)
-
-
-def security(key: NodeKey, held: SignedCredential | None, **options) -> TransportSecurity:
-    skew = options.pop("max_clock_skew_s", 10.0)
-    verifier = PeerVerifier(run=RUN, authorizer_key=AUTHORIZER.public_key, max_clock_skew_s=skew)
-    value = None if held is None else held.to_value()
-    return TransportSecurity(
-        key=key, verifier=verifier, credential=lambda: value, max_clock_skew_s=skew, **options
-    )
-
-
-@dataclasses.dataclass
-class Seed:
-    address: str
-    key: NodeKey
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory):
-    """A real DHT node process of the authorized run, holding a credential of role dht."""
-    directory = tmp_path_factory.mktemp("seed")
-    key = NodeKey.generate()
-    key.save(directory / "seed.key")
-    config = directory / "run.toml"
-    config.write_text(dump_toml(run_config()))
-    held = save_credential(credential(key, role="dht", stage=None), directory / "seed.credential")
-    args = [
-        "-m",
-        "agora_core",
-        "dht",
-        "serve",
-        "--config",
-        str(config),
-        "--key-file",
-        str(directory / "seed.key"),
-    ]
-    args += ["--credential", str(held), "--status-interval", "0.3", "--log-format", "json"]
-    with spawn_python(args) as child:
-        yield Seed(child.read_until("  serving    ", timeout_s=60), key)
+from agora_core.testing import poll_until
 
 
 @contextlib.asynccontextmanager
-async def client_of(key: NodeKey, held: SignedCredential | None, expect: tuple[str, bytes], **options):
-    client = RpcClient(security=security(key, held, **options), node_id=key.node_id)
+async def client_of(
+    authority: TestAuthority,
+    key: NodeKey,
+    held: SignedCredential | None,
+    expect: tuple[str, bytes],
+    **options,
+):
+    client = RpcClient(security=authority.security(key, held, **options), node_id=key.node_id)
     client.security.expect(*expect)
     try:
         yield client
@@ -113,21 +45,21 @@ async def client_of(key: NodeKey, held: SignedCredential | None, expect: tuple[s
         await client.close()
 
 
-async def test_peers_without_a_valid_credential_are_refused_at_connect(seed):
+async def test_peers_without_a_valid_credential_are_refused_at_connect(authority, seed):
     expect = (seed.address, seed.key.public_key)
     honest = NodeKey.generate()
-    async with client_of(honest, credential(honest), expect) as client:
+    async with client_of(authority, honest, authority.credential(honest), expect) as client:
         reply = await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
         assert isinstance(reply.meta["members"], list)  # the control: a credentialed peer is served
     thief = NodeKey.generate()
     cases = {
         "none": (NodeKey.generate(), None),
-        "other_run": (other := NodeKey.generate(), credential(other, run="another-run")),
-        "expired": (late := NodeKey.generate(), credential(late, lifetime_s=-60.0)),
-        "wrong_key": (thief, credential(honest)),  # a stolen credential, presented with another key
+        "other_run": (other := NodeKey.generate(), authority.credential(other, run="another-run")),
+        "expired": (late := NodeKey.generate(), authority.credential(late, lifetime_s=-60.0)),
+        "wrong_key": (thief, authority.credential(honest)),  # a stolen credential, presented with another key
     }
     for why, (key, held) in cases.items():
-        async with client_of(key, held, expect) as client:
+        async with client_of(authority, key, held, expect) as client:
             with pytest.raises(PeerRefused) as refused:
                 await client.connect(seed.address)
             assert why.replace("_", " ") in str(refused.value).replace("_", " ") or why == "none", (
@@ -137,34 +69,38 @@ async def test_peers_without_a_valid_credential_are_refused_at_connect(seed):
                 await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
 
 
-async def test_a_server_that_is_not_the_node_expected_at_its_address_is_refused(seed):
+async def test_a_server_that_is_not_the_node_expected_at_its_address_is_refused(authority, seed):
     key = NodeKey.generate()
     impersonated = NodeKey.generate()  # the member the caller believes is there
-    async with client_of(key, credential(key), (seed.address, impersonated.public_key)) as client:
+    async with client_of(
+        authority, key, authority.credential(key), (seed.address, impersonated.public_key)
+    ) as client:
         with pytest.raises(PeerRefused) as refused:
             await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
         assert "does not hold the key" in str(refused.value)
 
 
-async def test_a_revoked_peer_is_dropped_and_refused_once_the_list_reaches_the_node(seed):
+async def test_a_revoked_peer_is_dropped_and_refused_once_the_list_reaches_the_node(authority, seed):
     key = NodeKey.generate()
     authorizer = RunNode(
-        run=run_config(),
-        key=AUTHORIZER,
+        run=authority.run_config(),
+        key=authority.key,
         metrics=NodeMetrics(role="authorizer"),
         bootstrap=[f"{seed.key.public_key.hex()}@{seed.address}"],
     )
     await authorizer.start()
     try:
-        async with client_of(key, credential(key), (seed.address, seed.key.public_key)) as client:
+        async with client_of(
+            authority, key, authority.credential(key), (seed.address, seed.key.public_key)
+        ) as client:
             await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
             revoked = Revocations(nodes=(key.node_id,), updated=time.time())
             await authorizer.dht.store(
-                revocations_key(RUN),
-                owned_subkey(AUTHORIZER.public_key),
+                revocations_key(authority.run),
+                owned_subkey(authority.key.public_key),
                 revoked.to_value(),
                 time.time() + 60,
-                signer=AUTHORIZER,
+                signer=authority.key,
             )
 
             async def refused() -> bool:
@@ -176,7 +112,9 @@ async def test_a_revoked_peer_is_dropped_and_refused_once_the_list_reaches_the_n
 
             # the seed reads the list every status line (0.3 s here)
             await poll_until(refused, timeout_s=20, what="the revoked peer's calls refused")
-        async with client_of(key, credential(key), (seed.address, seed.key.public_key)) as again:
+        async with client_of(
+            authority, key, authority.credential(key), (seed.address, seed.key.public_key)
+        ) as again:
             with pytest.raises(PeerRefused):
                 await again.connect(seed.address)
     finally:
@@ -184,9 +122,11 @@ async def test_a_revoked_peer_is_dropped_and_refused_once_the_list_reaches_the_n
 
 
 @contextlib.asynccontextmanager
-async def echo_server(*, access=None, **options):
+async def echo_server(authority: TestAuthority, *, access=None, **options):
     key = NodeKey.generate()
-    server = RpcServer(security=security(key, credential(key), **options), node_id=key.node_id)
+    server = RpcServer(
+        security=authority.security(key, authority.credential(key), **options), node_id=key.node_id
+    )
     calls = []
 
     async def echo(request):
@@ -201,10 +141,12 @@ async def echo_server(*, access=None, **options):
         await server.stop()
 
 
-async def test_the_sender_a_handler_sees_is_the_authenticated_node_not_the_claimed_one():
-    async with echo_server() as (server, key, _calls):
+async def test_the_sender_a_handler_sees_is_the_authenticated_node_not_the_claimed_one(authority):
+    async with echo_server(authority) as (server, key, _calls):
         caller = NodeKey.generate()
-        client = RpcClient(security=security(caller, credential(caller)), node_id="f" * 40)  # a lie
+        client = RpcClient(
+            security=authority.security(caller, authority.credential(caller)), node_id="f" * 40
+        )  # a lie
         client.security.expect(server.address, key.public_key)
         try:
             reply = await client.call(server.address, "echo", {})
@@ -213,12 +155,15 @@ async def test_the_sender_a_handler_sees_is_the_authenticated_node_not_the_claim
             await client.close()
 
 
-async def test_methods_serve_only_the_roles_and_stage_they_name():
-    async with echo_server(access=only(("worker",), stage=1)) as (server, key, calls):
+async def test_methods_serve_only_the_roles_and_stage_they_name(authority):
+    async with echo_server(authority, access=only(("worker",), stage=1)) as (server, key, calls):
         for role, stage, allowed in (("worker", 1, True), ("worker", 0, False), ("trainer", None, False)):
             caller = NodeKey.generate()
             async with client_of(
-                caller, credential(caller, role=role, stage=stage), (server.address, key.public_key)
+                authority,
+                caller,
+                authority.credential(caller, role=role, stage=stage),
+                (server.address, key.public_key),
             ) as c:
                 if allowed:
                     await c.call(server.address, "echo", {})
@@ -228,24 +173,25 @@ async def test_methods_serve_only_the_roles_and_stage_they_name():
         assert len(calls) == 1
 
 
-async def test_an_expiring_credential_ends_its_calls_unless_it_is_refreshed():
-    async with echo_server(max_clock_skew_s=0.5, recheck_s=0.2) as (server, key, _calls):
+async def test_an_expiring_credential_ends_its_calls_unless_it_is_refreshed(authority):
+    async with echo_server(authority, max_clock_skew_s=0.5, recheck_s=0.2) as (server, key, _calls):
         lapsing, renewing = NodeKey.generate(), NodeKey.generate()
-        held = {"value": credential(renewing, lifetime_s=2.0).to_value()}
-        renewer_security = security(renewing, None, max_clock_skew_s=0.5, recheck_s=0.2)
+        held = {"value": authority.credential(renewing, lifetime_s=2.0).to_value()}
+        renewer_security = authority.security(renewing, None, max_clock_skew_s=0.5, recheck_s=0.2)
         renewer_security.credential = lambda: held["value"]
         renewer = RpcClient(security=renewer_security)
         renewer.security.expect(server.address, key.public_key)
         async with client_of(
+            authority,
             lapsing,
-            credential(lapsing, lifetime_s=2.0),
+            authority.credential(lapsing, lifetime_s=2.0),
             (server.address, key.public_key),
             max_clock_skew_s=0.5,
         ) as lapser:
             try:
                 await lapser.call(server.address, "echo", {})
                 await renewer.call(server.address, "echo", {})
-                held["value"] = credential(renewing, lifetime_s=60.0).to_value()
+                held["value"] = authority.credential(renewing, lifetime_s=60.0).to_value()
                 renewer_security.credential_changed()  # the keeper got a new one: present it
 
                 async def lapsed() -> bool:
@@ -261,11 +207,15 @@ async def test_an_expiring_credential_ends_its_calls_unless_it_is_refreshed():
                 await renewer.close()
 
 
-async def test_a_clock_beyond_the_runs_skew_limit_is_refused_with_a_clear_error():
-    async with echo_server() as (server, key, calls):
+async def test_a_clock_beyond_the_runs_skew_limit_is_refused_with_a_clear_error(authority):
+    async with echo_server(authority) as (server, key, calls):
         caller = NodeKey.generate()
         async with client_of(
-            caller, credential(caller), (server.address, key.public_key), clock=lambda: time.time() + 120
+            authority,
+            caller,
+            authority.credential(caller),
+            (server.address, key.public_key),
+            clock=lambda: time.time() + 120,
         ) as client:
             with pytest.raises(PeerRefused) as refused:
                 await client.call(server.address, "echo", {})
@@ -273,8 +223,8 @@ async def test_a_clock_beyond_the_runs_skew_limit_is_refused_with_a_clear_error(
         assert calls == []
 
 
-async def test_a_captured_session_replayed_on_another_connection_reaches_no_handler():
-    async with echo_server() as (server, key, calls):
+async def test_a_captured_session_replayed_on_another_connection_reaches_no_handler(authority):
+    async with echo_server(authority) as (server, key, calls):
         host, port = server.address.removeprefix("tcp://").rsplit(":", 1)
         captured = bytearray()
 
@@ -296,7 +246,9 @@ async def test_a_captured_session_replayed_on_another_connection_reaches_no_hand
         tap = await asyncio.start_server(proxy, "127.0.0.1", 0)
         tapped = f"tcp://127.0.0.1:{tap.sockets[0].getsockname()[1]}"
         caller = NodeKey.generate()
-        async with client_of(caller, credential(caller), (tapped, key.public_key)) as client:
+        async with client_of(
+            authority, caller, authority.credential(caller), (tapped, key.public_key)
+        ) as client:
             for _ in range(3):
                 await client.call(tapped, "echo", {"secret": "payload"})
         tap.close()
@@ -310,13 +262,15 @@ async def test_a_captured_session_replayed_on_another_connection_reaches_no_hand
                     pass
         writer.close()
         assert len(calls) == 3
-        async with client_of(caller, credential(caller), (server.address, key.public_key)) as client:
+        async with client_of(
+            authority, caller, authority.credential(caller), (server.address, key.public_key)
+        ) as client:
             await client.call(server.address, "echo", {})  # and the server still serves
         assert len(calls) == 4
 
 
-async def test_an_open_client_cannot_talk_to_an_authorized_node_at_all():
-    async with echo_server() as (server, _key, calls):
+async def test_an_open_client_cannot_talk_to_an_authorized_node_at_all(authority):
+    async with echo_server(authority) as (server, _key, calls):
         client = RpcClient(config=dataclasses.replace(RpcClient().config, connect_timeout_s=1.0))
         try:
             with pytest.raises(RpcError):

@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from agora_core.config import load_run_config
-from agora_core.dht import DhtNode, RecordRejected, Status, owned_subkey
+from agora_core.dht import DhtNode, RecordRejected, Status, member_list, owned_subkey
 from agora_core.dht.records import make_record
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
@@ -110,7 +110,7 @@ class Swarm:
         views = {node.node_id: {m.node_id for m in node.members()} for node in self.nodes}
         for remote in self.remotes:
             reply = await self.client.call(remote.address, "dht.members", timeout_s=5)
-            views[remote.node_id] = {m[0] for m in reply.meta["members"]}
+            views[remote.node_id] = {m[0] for m in member_list.unpack(reply.meta, reply.tensors)}
         return views
 
     def live_ids(self) -> set[str]:

@@ -307,3 +307,24 @@ async def test_records_name_their_writer_and_replicas_refuse_forged_or_uncredent
             assert all(reply.meta["errors"]), reply.meta["errors"]
         value = (await newcomer.get(key))["v"]
         assert value.value == {"x": 1} and value.writer == writer.key.public_key
+
+
+async def test_a_joiner_gets_a_member_list_larger_than_a_header_in_one_join():
+    async with swarm_of(1) as swarm:
+        keys = [NodeKey.generate() for _ in range(300)]  # 300 credentialed claims: ~130 KiB
+        listed = [claim(k, 1, credential=credential_for(k), port=30_000 + i) for i, k in enumerate(keys)]
+        first = swarm.nodes[0]
+        assert first.table.apply_all(listed, limit=len(listed)) == len(listed)
+        assert len(msgpack.packb(first.table.snapshot())) > 64 * 1024
+        joiner = DhtNode(
+            key=(key := NodeKey.generate()),
+            config=CONFIG,
+            bootstrap=[first.address],
+            verifier=verifier(),
+            credential=lambda: credential_for(key),
+        )
+        try:
+            await joiner.start()  # its table holds what the join's reply carried, before any sync
+            assert {k.node_id for k in keys} <= {m.node_id for m in joiner.table.known()}
+        finally:
+            await joiner.stop(leave=False)

@@ -15,7 +15,7 @@ import time
 
 from agora_core.auth.testing import TestAuthority
 from agora_core.contract import Method
-from agora_core.dht import DhtNode, Status
+from agora_core.dht import DhtNode, Status, member_list
 from agora_core.dht.claims import Claims
 from agora_core.dht.membership import Member
 from agora_core.identity import NodeKey
@@ -36,7 +36,7 @@ def signed_claim(
 
 async def members(client: RpcClient, address: str) -> dict[str, list]:
     reply = await client.call(address, Method.DHT_MEMBERS, {}, timeout_s=5)
-    return {m[0]: m for m in reply.meta["members"]}
+    return {m[0]: m for m in member_list.unpack(reply.meta, reply.tensors)}
 
 
 async def test_forged_reports_and_a_flood_of_fake_members_change_no_process_table(authority, tmp_path):

@@ -20,7 +20,7 @@ from agora_core.admission.revocations import Revocations, revocations_key
 from agora_core.auth.access import only
 from agora_core.auth.testing import TestAuthority
 from agora_core.contract import Method
-from agora_core.dht import owned_subkey
+from agora_core.dht import member_list, owned_subkey
 from agora_core.errors import Forbidden, PeerRefused, RpcError, Unauthenticated
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
@@ -50,7 +50,7 @@ async def test_peers_without_a_valid_credential_are_refused_at_connect(authority
     honest = NodeKey.generate()
     async with client_of(authority, honest, authority.credential(honest), expect) as client:
         reply = await client.call(seed.address, Method.DHT_MEMBERS, {}, timeout_s=5)
-        assert isinstance(reply.meta["members"], list)  # the control: a credentialed peer is served
+        assert len(member_list.unpack(reply.meta, reply.tensors)) >= 1  # the control: it is served
     thief = NodeKey.generate()
     cases = {
         "none": (NodeKey.generate(), None),

@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
-
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
+from agora_core.dht import member_list
 from agora_core.dht.claims import Claims
 from agora_core.dht.detector import FailureDetector
 from agora_core.dht.membership import Budget, Member, MemberTable, Status, parse_update
@@ -30,7 +29,6 @@ from agora_core.errors import BadRequest, RpcError
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
 
-SNAPSHOT_BYTES = 48 * 1024  # a header holds 64 KiB: larger member lists go out in random parts
 MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
 
 
@@ -127,7 +125,9 @@ class Gossip:
                 except RpcError as exc:
                     errors[address] = str(exc)
                     continue
-                self.table.apply_all(reply.meta.get("members") if isinstance(reply.meta, dict) else None)
+                self.table.apply_all(
+                    member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED
+                )
                 return
             await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - time.monotonic())))
         raise DhtError(f"could not join through any of {targets}: {errors}")
@@ -179,23 +179,9 @@ class Gossip:
         self._absorb(reply.meta)
         return bool(reply.meta.get("ok")) if isinstance(reply.meta, dict) else False
 
-    def _snapshot(self) -> list[list]:
-        """The member list for a join or sync, within ``SNAPSHOT_BYTES``: when it does not fit,
-        this node first, then live members, then tombstones, each in random order, so
-        successive syncs cover all of it."""
-        entries = self.table.snapshot()
-        if len(msgpack.packb(entries, use_bin_type=True)) <= SNAPSHOT_BYTES:
-            return entries
-        me, rest = entries[0], entries[1:]
-        self._rng.shuffle(rest)
-        rest.sort(key=lambda entry: entry[4] in (Status.DEAD, Status.LEFT))
-        chosen, size = [me], len(msgpack.packb(me, use_bin_type=True))
-        for entry in rest:
-            size += len(msgpack.packb(entry, use_bin_type=True))
-            if size > SNAPSHOT_BYTES:
-                break
-            chosen.append(entry)
-        return chosen
+    def _snapshot(self) -> dict:
+        """Every member this node knows of, tombstones included, as a payload's tensors."""
+        return member_list.pack(self.table.snapshot())
 
     async def _on_join(self, request: Request) -> Payload:
         joiner = parse_update(request.meta.get("member") if isinstance(request.meta, dict) else None)
@@ -207,7 +193,7 @@ class Gossip:
         known = self.table.get(joiner.node_id)
         if known is None or known.status != Status.ALIVE or known.incarnation < joiner.incarnation:
             raise BadRequest("join refused: the member's signed claim or its credential does not verify")
-        return Payload({"members": self._snapshot()})
+        return Payload({}, self._snapshot())
 
     def _reply(self, **fields: Any) -> Payload:
         return Payload(
@@ -235,11 +221,12 @@ class Gossip:
 
     async def _on_sync(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
-        self.table.apply_all(meta.get("members"), budget=self._request_budget())
+        listed = member_list.unpack(meta, request.tensors)
+        self.table.apply_all(listed, budget=self._request_budget(), limit=member_list.MAX_LISTED)
         digest = self.table.digest()
         if meta.get("digest") == digest:
             return Payload({"digest": digest})
-        return Payload({"digest": digest, "members": self._snapshot()})
+        return Payload({"digest": digest}, self._snapshot())
 
     async def sync(self) -> None:
         """Push-pull with one random member; only digests travel when both agree."""
@@ -256,17 +243,20 @@ class Gossip:
                 timeout_s=self.config.op_timeout_s,
             )
             meta = reply.meta if isinstance(reply.meta, dict) else {}
-            if "members" in meta:
-                self.table.apply_all(meta["members"])
+            listed = member_list.unpack(meta, reply.tensors)
+            if listed is not None:
+                self.table.apply_all(listed, limit=member_list.MAX_LISTED)
                 if meta.get("digest") != self.table.digest():
                     await self.client.call(
                         peer.address,
                         Method.DHT_SYNC,
-                        {"members": self._snapshot()},
+                        {},
+                        self._snapshot(),
                         timeout_s=self.config.op_timeout_s,
                     )
         except RpcError:
             pass
 
     async def _on_members(self, request: Request) -> Payload:
-        return Payload({"members": [m.to_wire() for m in self.table.live()], "digest": self.table.digest()})
+        live = [m.to_wire() for m in self.table.live()]
+        return Payload({"digest": self.table.digest()}, member_list.pack(live))

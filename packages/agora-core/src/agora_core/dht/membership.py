@@ -286,12 +286,19 @@ class MemberTable:
                 self._gossip[node_id] = (update, sent + 1)
         return updates
 
-    def apply_all(self, raw_updates: Any, now: float | None = None, budget: Budget | None = None) -> int:
-        """Merge a list of wire updates; malformed ones are skipped. Returns how many changed."""
+    def apply_all(
+        self,
+        raw_updates: Any,
+        now: float | None = None,
+        budget: Budget | None = None,
+        limit: int = MAX_UPDATES_PER_MESSAGE,
+    ) -> int:
+        """Merge a list of wire updates (at most ``limit``: a member list may hold more than a
+        gossip message); malformed ones are skipped. Returns how many changed."""
         if not isinstance(raw_updates, list):
             return 0
         changed = 0
-        for raw in raw_updates[:MAX_UPDATES_PER_MESSAGE]:
+        for raw in raw_updates[:limit]:
             update = parse_update(raw)
             if update is not None and self.apply(update, now, budget):
                 changed += 1

@@ -313,6 +313,11 @@ def test_revocations_mark_credentials_once_and_are_listed_since(store):
     assert store.live_credentials(now=NOW + 4) == []
     assert store.revoked_since(since=NOW) == (["n1", "n2", "n3"], ["bob", "carol"])
     assert store.revoked_since(since=NOW + 3) == (["n2", "n3"], ["bob"])
+    # a revoked credential that is still unexpired stays listed, however long ago it was revoked
+    issue(store, "seed", account="operator", lifetime_s=30 * 86400.0)
+    store.revoke_node("seed", now=NOW + 5)
+    assert "seed" in store.revoked_since(since=NOW + 86400, now=NOW + 86400)[0]
+    assert "seed" not in store.revoked_since(since=NOW + 86400, now=NOW + 31 * 86400)[0]
 
 
 # --- durability ---------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class RevocationPublisher:
 
     async def publish(self) -> Revocations:
         now = time.time()
-        nodes, accounts = await self.db(self.store.revoked_since, since=now - self.window_s)
+        nodes, accounts = await self.db(self.store.revoked_since, since=now - self.window_s, now=now)
         if len(nodes) + len(accounts) > MAX_ENTRIES:  # replicas refuse a longer list: keep accounts first
             log.warning("revocations_truncated", nodes=len(nodes), accounts=len(accounts), kept=MAX_ENTRIES)
             accounts = sorted(accounts)[:MAX_ENTRIES]

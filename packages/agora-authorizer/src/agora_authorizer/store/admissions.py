@@ -310,12 +310,18 @@ class Admissions:
         with self._db.transaction(write=True) as connection:
             return connection.execute(query.values(revoked=now, revoked_scope=scope)).rowcount
 
-    def revoked_since(self, *, since: float) -> tuple[list[str], list[str]]:
+    def revoked_since(self, *, since: float, now: float | None = None) -> tuple[list[str], list[str]]:
         """(node ids, accounts) banned or revoked at or after ``since``, sorted, for the DHT
         revocation list. The node ids include every node whose credential was revoked, an
-        account revocation's too: credentials do not name their account, so peers go by node."""
+        account revocation's too, and (given ``now``) every node holding a revoked credential
+        still unexpired then, however long ago it was revoked: an operator's credentials live
+        for weeks."""
         bans, credentials = schema.bans, schema.credentials
         revoked = credentials.c.revoked >= since
+        if now is not None:
+            revoked = sa.or_(
+                revoked, sa.and_(credentials.c.revoked.is_not(None), credentials.c.expires > now)
+            )
         banned_since = select(bans.c.kind, bans.c.target).where(bans.c.created >= since)
         with self._db.transaction() as connection:
             banned = connection.execute(banned_since).all()

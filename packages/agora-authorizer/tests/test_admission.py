@@ -248,6 +248,12 @@ async def test_a_banned_node_loses_its_refresh_and_is_published_as_revoked(authz
         forger.dht.records.validate = lambda *args, **kwargs: None
         await forger.start()
         try:
+            everyone = {authz.key.node_id, reader.key.node_id, forger.key.node_id}
+
+            async def acquainted() -> bool:  # every replica knows the forger, and it them
+                return everyone <= reader.dht.live_ids() and everyone <= forger.dht.live_ids()
+
+            await poll_until(acquainted, timeout_s=15, what="the forger in every member's view")
             forged = Revocations(nodes=(), updated=time.time()).to_value()
             with pytest.raises(RecordRejected):
                 await forger.dht.store(

@@ -230,6 +230,8 @@ def test_suspected_node_refutes_with_one_more_than_its_incarnation(table):
     gossip = {update[0]: update for update in table.piggyback(16)}
     assert gossip[me.node_id][3:5] == [11, Status.ALIVE]  # the refutation goes out, signed
     assert Claims(key=NodeKey.generate()).admit(parse_update(gossip[me.node_id]))
+    table.apply(Member(me.node_id, me.address, me.public_key, me.incarnation, Status.SUSPECT))
+    assert me.incarnation == 11 and table.refutations == 1  # a report again at once: not refuted yet
 
 
 def test_suspicion_times_out_into_death_and_tombstones_expire(table):

@@ -153,10 +153,17 @@ async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(t
             admission=admission,
         )
         try:
-            # One worker per stage, announced the way workers announce themselves (signed, each
-            # under its own key); the trainer routes to both, until one is banned.
-            workers = [NodeKey.generate() for _ in range(2)]
-            for stage, worker in enumerate(workers):
+            # One worker per stage, each a credentialed member announcing itself the way workers
+            # do (signed, under its own key); the trainer routes to both, until one is banned.
+            members = [
+                await asyncio.to_thread(
+                    authz_stack.enter_context,
+                    RunObserver(run, authorizer_key, role="worker", stage=stage, bootstrap=[seed.peer]),
+                )
+                for stage in range(2)
+            ]
+            workers = [member.key for member in members]
+            for stage, (worker, member) in enumerate(zip(workers, members, strict=True)):
                 announcement = WorkerAnnouncement(
                     node_id=worker.node_id,
                     address=f"tcp://127.0.0.1:{9 + stage}",
@@ -168,7 +175,7 @@ async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(t
                     version="test",
                 )
                 await asyncio.to_thread(
-                    seed.store,
+                    member.store,
                     stage_workers_key(run.name, stage),
                     owned_subkey(worker.public_key),
                     announcement.to_value(),

@@ -170,9 +170,15 @@ def authorizer_process(
 
 
 def signed_credential(
-    authorizer: NodeKey, run: RunConfig, node: NodeKey, *, role: str = "operator", lifetime_s: float = 3600.0
+    authorizer: NodeKey,
+    run: RunConfig,
+    node: NodeKey,
+    *,
+    role: str = "operator",
+    stage: int | None = None,
+    lifetime_s: float = 3600.0,
 ) -> SignedCredential:
-    """A credential of ``run`` for ``node`` (``role``, no stage), signed with the authorizer's
+    """A credential of ``run`` for ``node`` (``role``, on ``stage``), signed with the authorizer's
     key directly, the way ``agora-authorizer credential`` issues one (for a test's own nodes)."""
     issued = time.time()
     fields = Credential(
@@ -180,7 +186,7 @@ def signed_credential(
         node_id=node.node_id,
         public_key=node.public_key,
         role=role,
-        stage=None,
+        stage=stage,
         issued=issued,
         expires=issued + lifetime_s,
         serial=secrets.randbits(40),  # the authorizer's own serials stay far below
@@ -202,6 +208,7 @@ class RunObserver(BlockingDht):
         authorizer: NodeKey,
         *,
         role: str = "operator",
+        stage: int | None = None,
         bootstrap: Sequence[str] = (),
         timeout_s: float = 10.0,
     ):
@@ -211,7 +218,7 @@ class RunObserver(BlockingDht):
             "key": self.key,
             "metrics": NodeMetrics(role="test"),
             "bootstrap": list(bootstrap),
-            "credential": signed_credential(authorizer, run, self.key, role=role),
+            "credential": signed_credential(authorizer, run, self.key, role=role, stage=stage),
         }
         super().__init__(timeout_s=timeout_s, run_node=node)
 

@@ -17,7 +17,8 @@ from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.auth.access import CREDENTIALED, only
 from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase, StageRole
-from agora_core.errors import BadRequest
+from agora_core.dht import DhtError
+from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -230,7 +231,10 @@ class Worker:
         self.joined = await self.joiner.join()
         await self.admission.admitted()  # queued meanwhile: the download overlapped the wait
         self.ready = True
-        await self.announcer.announce()  # visible to trainers before the first refresh
+        try:
+            await self.announcer.announce()  # visible to trainers before the first refresh
+        except (DhtError, RpcError) as exc:  # a replica not reached yet: the announcer retries
+            log.warning("announce_failed", error=str(exc))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self.progress.run(), name="worker-progress"),

@@ -74,6 +74,7 @@ class MemberTable:
         self.claims = claims
         self._members: dict[str, Member] = {}
         self._suspicion_timeout_s = suspicion_timeout_s
+        self._refuted_at = -math.inf  # time.monotonic() of the last refutation
         self._tombstone_s = tombstone_s
         self._retransmit_mult = retransmit_mult
         self._on_change = on_change or (lambda: None)
@@ -189,6 +190,13 @@ class MemberTable:
         not mine to follow (only I raise my incarnation), claims in my name not mine to heed."""
         if self.leaving or update.status not in HINTS or update.incarnation != self.me.incarnation:
             return
+        # At most one refutation per fifth of the suspicion timeout: anyone who knows my
+        # incarnation could report me at it over and over, each costing a signature here and
+        # a check everywhere. A genuine suspecter keeps saying so, and is answered in time.
+        now = time.monotonic()
+        if now - self._refuted_at < self._suspicion_timeout_s / 5:
+            return
+        self._refuted_at = now
         self.refutations += 1
         self._raise_incarnation()
 

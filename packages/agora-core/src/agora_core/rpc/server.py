@@ -9,10 +9,8 @@ both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Union
 
 import zmq
@@ -20,24 +18,24 @@ import zmq
 from agora_core.addresses import normalize_address
 from agora_core.auth.access import ANYONE, CREDENTIALED, Access
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
-from agora_core.auth.zap import zap_handler
 from agora_core.errors import (
     BadRequest,
     DeadlineExceeded,
     HandlerFailed,
-    LimitExceeded,
     Overloaded,
     RpcError,
     StreamError,
     UnknownMethod,
-    UnsupportedProtocolVersion,
     WireError,
 )
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.rpc.server_calls import Call, Handler, reject_reason
+from agora_core.rpc.server_metrics import ServerMetrics
+from agora_core.rpc.server_security import ServerSecurity
 from agora_core.rpc.streams import ServerStream
-from agora_core.rpc.transport import SocketPump, context, frames_nbytes, new_socket
+from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
 from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 from agora_core.wire import (
     Kind,
@@ -53,35 +51,6 @@ UnaryHandler = Callable[[Request], Awaitable[Union[Payload, None]]]
 StreamHandler = Callable[[ServerStream], Awaitable[Union[Payload, None]]]
 
 log = get_logger("rpc.server")
-_domains = itertools.count(1)  # one ZAP domain per secured server socket in the process
-
-
-def _reject_reason(error: WireError) -> str:
-    if isinstance(error, LimitExceeded):
-        return "limit"
-    if isinstance(error, UnsupportedProtocolVersion):
-        return "version"
-    return "malformed"
-
-
-@dataclass(slots=True)
-class _Handler:
-    fn: Callable
-    streaming: bool
-    window: int  # items a streaming caller may have in flight to it
-    access: Access  # who may call it (checked with a security only)
-
-
-@dataclass(slots=True)
-class _Call:
-    method: str
-    task: asyncio.Task | None = None
-    stream: ServerStream | None = None
-    cancelled_by_peer: bool = False
-    deadline_passed: bool = False
-    timer: asyncio.TimerHandle | None = None  # cancels the task at the caller's deadline
-    outcome: str = "cancelled"  # until the handler's task says otherwise
-    started: float = 0.0
 
 
 class RpcServer:
@@ -105,38 +74,20 @@ class RpcServer:
         self.config = config or RpcConfig()
         self.node_id = node_id
         self.security = security
-        self._zap_domain: bytes | None = None
+        self._guard = ServerSecurity(security) if security is not None else None
         self._listen = normalize_address(listen)
         self._link = link
-        self._handlers: dict[str, _Handler] = {}
-        self._calls: dict[tuple[bytes, int], _Call] = {}
+        self._handlers: dict[str, Handler] = {}
+        self._calls: dict[tuple[bytes, int], Call] = {}
         self._background: set[asyncio.Task] = set()
         self._pump: SocketPump | None = None
         self._closing = False
         self.address: str | None = None
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
-        self._m_requests = metrics.counter(
-            "agora_rpc_requests_total", "Requests handled, by method and outcome.", ["method", "outcome"]
-        )
-        self._m_rejected = metrics.counter(
-            "agora_rpc_rejected_messages_total",
-            "Incoming messages rejected or dropped before reaching a handler, by reason.",
-            ["reason"],
-        )
-        self._m_seconds = metrics.histogram(
-            "agora_rpc_handler_seconds", "Time from request arrival to reply, by method.", ["method"]
-        )
-        self._m_inflight = metrics.gauge("agora_rpc_inflight_requests", "Requests being handled.")
-        self._m_children: dict[tuple[str, str], tuple] = {}
         self.traffic = Traffic()  # messages and bytes, as plain numbers for tools and benchmarks
+        self._metrics = ServerMetrics(metrics, self.traffic)
         if security is not None:
             self.register(HELLO_METHOD, self._on_hello, access=ANYONE)
-        metrics.counter_from(
-            "agora_rpc_server_bytes_total",
-            "Bytes through the server socket.",
-            ["direction"],
-            self.traffic.bytes_by_direction,
-        )
 
     # --- registration and lifecycle --------------------------------------------------------
 
@@ -161,7 +112,7 @@ class RpcServer:
             raise ValueError(f"method {method!r} is already registered")
         if window is not None and not stream:
             raise ValueError("a stream window is for streaming methods only")
-        self._handlers[method] = _Handler(handler, stream, self.config.window(window), access)
+        self._handlers[method] = Handler(handler, stream, self.config.window(window), access)
 
     @property
     def methods(self) -> list[str]:
@@ -170,13 +121,14 @@ class RpcServer:
     async def start(self) -> str:
         """Bind and start serving; returns the bound ``tcp://host:port`` address."""
         sock = new_socket(zmq.ROUTER, self.config)
-        if self.security is not None:
-            self._secure(sock)
+        if self._guard is not None:
+            self._guard.secure(sock)
         try:
             sock.bind(self._listen)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            self._unsecure()
+            if self._guard is not None:
+                self._guard.close()
             raise OSError(f"cannot listen on {self._listen}: {exc}") from None
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = SocketPump(sock, self._on_frames, link=self._link, name=f"rpc-server {self.address}")
@@ -196,39 +148,11 @@ class RpcServer:
         if self._pump is not None:
             await self._pump.close()
             self._pump = None
-        self._unsecure()
-
-    def _secure(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE server whose connections the process's ZAP handler admits."""
-        security = self.security
-        self._zap_domain = b"agora-%d" % next(_domains)
-        zap_handler(context()).register(self._zap_domain, security.admits)
-        sock.curve_server = True
-        sock.curve_secretkey = security.curve_secret
-        sock.curve_publickey = security.curve_public
-        sock.zap_domain = self._zap_domain
-
-    def _unsecure(self) -> None:
-        if self._zap_domain is not None:
-            zap_handler(context()).unregister(self._zap_domain)
-            self._zap_domain = None
+        if self._guard is not None:
+            self._guard.close()
 
     async def _on_hello(self, request: Request) -> Payload:
-        raise HandlerFailed("greetings are answered as they arrive")  # see _greet
-
-    def _greet(self, identity: bytes, rid: int, user_id: str | None, meta) -> None:
-        """Answer a greeting at once, not in a task of its own: the calls the caller sends
-        right after it on the same connection must find it already credentialed."""
-        anonymous_ok = any(h.access.anonymous for m, h in self._handlers.items() if m != HELLO_METHOD)
-        try:
-            answer = self.security.greet(user_id, meta, anonymous_ok=anonymous_ok)
-        except RpcError as exc:
-            self._reject(exc.code)
-            return self._reply_error(identity, rid, exc)
-        reply = Message(kind=Kind.RESPONSE, request_id=rid, meta=answer)
-        task = asyncio.get_running_loop().create_task(self._send(identity, reply))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        raise HandlerFailed("greetings are answered as they arrive")  # see _accept
 
     async def __aenter__(self) -> RpcServer:
         await self.start()
@@ -244,7 +168,7 @@ class RpcServer:
     # --- incoming messages (runs on the socket's receive task) -----------------------------
 
     def _reject(self, reason: str) -> None:
-        self._m_rejected.labels(reason=reason).inc()
+        self._metrics.rejected(reason)
 
     def _on_frames(self, frames: list) -> None:
         nbytes = frames_nbytes(frames)
@@ -257,12 +181,12 @@ class RpcServer:
         try:
             header = unpack_header(frames[1], limits)
         except WireError as exc:
-            self._reject(_reject_reason(exc))
+            self._reject(reject_reason(exc))
             return
         try:
             message = check_header(header, limits)
         except WireError as exc:
-            self._reject(_reject_reason(exc))
+            self._reject(reject_reason(exc))
             rid = peek_request_id(header)
             if rid is not None:
                 self._reply_error(identity, rid, BadRequest(str(exc)))
@@ -297,13 +221,18 @@ class RpcServer:
         rid = message.request_id
         handler = self._handlers.get(message.method)
         caller, user_id, sender = None, "", message.sender
-        if self.security is not None and handler is not None:
-            # the key this connection's CURVE handshake proved, as the ZAP handler named it
-            user_id = first.get("User-Id")
-            caller = self.security.caller(user_id, time.time())
-            sender = caller.node_id if caller is not None else ""
+        if self._guard is not None and handler is not None:
+            who = self._guard.caller(first)
+            caller, user_id, sender = who.identity, who.user_id, who.sender
             if message.method == HELLO_METHOD:
-                return self._greet(identity, rid, user_id, message.meta)
+                # answered at once, not in a task: the calls the caller sends right after it
+                # on the same connection must find it credentialed already
+                accesses = [h.access for m, h in self._handlers.items() if m != HELLO_METHOD]
+                answer = self._guard.greet(who, message.meta, accesses)
+                if isinstance(answer, RpcError):
+                    self._reject(answer.code)
+                    return self._reply_error(identity, rid, answer)
+                return self._reply_soon(identity, Message(kind=Kind.RESPONSE, request_id=rid, meta=answer))
             refusal = handler.access.refusal(caller, message.method)
             if refusal is not None:
                 self._reject(refusal.code)
@@ -328,7 +257,7 @@ class RpcServer:
         try:
             tensors = decode_tensors(header, data, self.config.wire.limits)
         except WireError as exc:
-            self._reject(_reject_reason(exc))
+            self._reject(reject_reason(exc))
             return self._reply_error(identity, rid, BadRequest(str(exc)))
         request = Request(
             method=message.method,
@@ -340,7 +269,7 @@ class RpcServer:
             caller=caller,
             user_id=user_id,
         )
-        call = _Call(method=message.method, started=time.perf_counter())
+        call = Call(method=message.method, started=time.perf_counter())
         if handler.streaming:
             call.stream = ServerStream(
                 request,
@@ -352,7 +281,7 @@ class RpcServer:
                 send_message=lambda m: self._send(identity, m),
             )
         self._calls[key] = call
-        self._m_inflight.inc()
+        self._metrics.inflight.inc()
         loop = asyncio.get_running_loop()
         call.task = loop.create_task(self._run(key, identity, handler, request, call))
         call.timer = loop.call_at(request.deadline, self._deadline_passed, call)
@@ -360,7 +289,7 @@ class RpcServer:
         call.task.add_done_callback(lambda _task: self._forget(key))
 
     @staticmethod
-    def _deadline_passed(call: _Call) -> None:
+    def _deadline_passed(call: Call) -> None:
         call.deadline_passed = True
         call.task.cancel()
 
@@ -371,19 +300,12 @@ class RpcServer:
         call.timer.cancel()
         if call.stream is not None:
             call.stream.close()
-        self._m_inflight.dec()
-        children = self._m_children.get((call.method, call.outcome))
-        if children is None:  # labels() is slow; bind each (method, outcome) once
-            children = self._m_children[(call.method, call.outcome)] = (
-                self._m_requests.labels(method=call.method, outcome=call.outcome),
-                self._m_seconds.labels(method=call.method),
-            )
-        children[0].inc()
-        children[1].observe(time.perf_counter() - call.started)
+        self._metrics.inflight.dec()
+        self._metrics.handled(call.method, call.outcome, time.perf_counter() - call.started)
 
     # --- running a call ---------------------------------------------------------------------
 
-    async def _run(self, key, identity: bytes, handler: _Handler, request: Request, call: _Call) -> None:
+    async def _run(self, key, identity: bytes, handler: Handler, request: Request, call: Call) -> None:
         rid = key[1]
         outcome = "ok"
         try:
@@ -425,7 +347,7 @@ class RpcServer:
         finally:
             call.outcome = outcome
 
-    def _abort(self, key, call: _Call, error: RpcError) -> None:
+    def _abort(self, key, call: Call, error: RpcError) -> None:
         if call.stream is not None:
             call.stream.fail(error)
         call.cancelled_by_peer = True  # no reply from the task: the error below is the reply
@@ -450,6 +372,12 @@ class RpcServer:
         await self._send(identity, message)
 
     def _reply_error(self, identity: bytes, rid: int, error: RpcError) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_error(identity, rid, error))
+        self._spawn(self._send_error(identity, rid, error))
+
+    def _reply_soon(self, identity: bytes, message: Message) -> None:
+        self._spawn(self._send(identity, message))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -65,4 +65,3 @@ class ServerSecurity:
             return self.security.greet(caller.user_id, meta, anonymous_ok=anonymous_ok)
         except RpcError as exc:
             return exc
-

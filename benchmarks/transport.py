@@ -202,6 +202,15 @@ def raw_blocking_rtts(address: str, calls: int) -> list[float]:
     return rtts[1:]
 
 
+def compare_rtts(report: Report, name: str, ours: list[float], base: list[float], baseline: str) -> None:
+    """p50 (target <= 1.5x) and p99 of round trips ``ours`` against ``base``, in us."""
+    for q in (50, 99):
+        target = f"ratio <= 1.5 vs {baseline}" if q == 50 else None
+        report.compare(
+            f"{name}_p{q}", percentile(ours, q) * 1e6, percentile(base, q) * 1e6, "us", target=target
+        )
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
@@ -299,14 +308,7 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 connect_auth.append(await first_call_s(auth_address, fresh, server_key.public_key))
                 rtt = await raw_async_rtts(curve_rep_address, 0, server_key.public_key, with_connect=True)
                 connect_curve += rtt
-            for q in (50, 99):
-                report.compare(
-                    f"small_request_rtt_p{q}",
-                    percentile(ours, q) * 1e6,
-                    percentile(raw_async, q) * 1e6,
-                    "us",
-                    target="ratio <= 1.5 vs raw asyncio REQ/REP" if q == 50 else None,
-                )
+            compare_rtts(report, "small_request_rtt", ours, raw_async, "raw asyncio REQ/REP")
             report.compare(
                 "small_request_rtt_p50_vs_blocking_rep",
                 percentile(ours, 50) * 1e6,
@@ -346,14 +348,7 @@ async def run(report: Report, rounds: int, calls: int) -> None:
             )
             report.add("bare_curve_push_pull_throughput", gbps(t_curve), "GB/s")
             report.compare("auth_tensor_64MiB_vs_plain_agora", gbps(t_auth), gbps(t_agora), "GB/s")
-            for q in (50, 99):
-                report.compare(
-                    f"auth_small_request_rtt_p{q}",
-                    percentile(auth, q) * 1e6,
-                    percentile(curve_async, q) * 1e6,
-                    "us",
-                    target="ratio <= 1.5 vs bare CURVE asyncio REQ/REP" if q == 50 else None,
-                )
+            compare_rtts(report, "auth_small_request_rtt", auth, curve_async, "bare CURVE asyncio REQ/REP")
             report.compare(
                 "auth_small_request_rtt_p50_vs_plain_agora",
                 percentile(auth, 50) * 1e6,

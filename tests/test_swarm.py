@@ -26,8 +26,6 @@ import pytest
 from agora_core.config import load_run_config
 from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
-from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
 from agora_core.schema import averaging_summary_key
 from agora_core.testing import wait_until
 from agora_trainer.shards import open_shards
@@ -39,7 +37,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
 sys.path.insert(0, str(ROOT / "tools"))
-import swarm_authorizer  # noqa: E402 (tools/ is not a package: its modules import as scripts do)
+from swarm_processes import SwarmFile  # noqa: E402 (tools/ is not a package: its modules import as scripts do)
+from swarm_status import light_member  # noqa: E402
 
 SAMPLES = 1024
 LANES = "2"  # few samples in flight: steps stay close to the target batch, as in the reference
@@ -184,33 +183,16 @@ class Swarm:
     def dht(self) -> BlockingDht:
         """A light DHT member of the swarm, bootstrapped to its seed (started on first use)."""
         if self._dht is None:
-            seed: dict = {}
 
             def seed_known() -> bool:
                 path = self.run_dir / "swarm.json"
-                seed["address"] = json.loads(path.read_text())["seed_address"] if path.exists() else ""
-                return bool(seed["address"])
+                return path.exists() and bool(json.loads(path.read_text())["seed_address"])
 
             self.while_running(seed_known, what="the DHT seed's address in swarm.json")
             # Kept before it starts: a join that fails is still stopped (its thread, its socket).
-            self._dht = BlockingDht(run_node=self.member_of_run(seed["address"]))
+            self._dht = BlockingDht(run_node=light_member(SwarmFile.load(self.run_dir)))
             self._dht.start()
         return self._dht
-
-    def member_of_run(self, seed: str) -> dict:
-        """RunNode settings of a light member (an authorized swarm's with a monitor credential)."""
-        swarm = json.loads((self.run_dir / "swarm.json").read_text())
-        key, credential = NodeKey.generate(), None
-        if swarm["authorized"]:
-            credential = swarm_authorizer.operator_credential(self.run_dir, swarm["config"], key, "monitor")
-        run = load_run_config(swarm["config"])
-        return {
-            "run": run,
-            "key": key,
-            "metrics": NodeMetrics(role="test"),
-            "bootstrap": [seed],
-            "credential": credential,
-        }
 
     def averaging_reports(self, stage: int) -> list[dict]:
         """The latest averaging round each worker of ``stage`` published in the DHT."""

@@ -49,25 +49,29 @@ def averaging_summary(value: Any) -> dict:
     return dict(value)
 
 
+def light_member(swarm: SwarmFile) -> dict:
+    """RunNode settings of a light member of the swarm: a fresh key, bootstrapped to its seed,
+    and in an authorized swarm a monitor credential from its authorizer."""
+    key, credential = NodeKey.generate(), None
+    if swarm.authorized:
+        credential = swarm_authorizer.operator_credential(Path(swarm.run_dir), swarm.config, key, "monitor")
+    return {
+        "run": load_run_config(swarm.config),
+        "key": key,
+        "metrics": NodeMetrics(role="monitor"),
+        "bootstrap": [swarm.seed_address],
+        "credential": credential,
+    }
+
+
 class StatusReader:
     """A light DHT member of the swarm that reads what the nodes publish (in an authorized
     swarm with a monitor credential of its own, from the swarm's authorizer)."""
 
     def __init__(self, swarm: SwarmFile):
-        self.run = run = load_run_config(swarm.config)
-        key = NodeKey.generate()
-        credential = None
-        if swarm.authorized:
-            credential = swarm_authorizer.operator_credential(
-                Path(swarm.run_dir), swarm.config, key, "monitor"
-            )
-        self.run_node = RunNode(
-            run=run,
-            key=key,
-            metrics=NodeMetrics(role="monitor"),
-            bootstrap=[swarm.seed_address],
-            credential=credential,
-        )
+        settings = light_member(swarm)
+        self.run = settings["run"]
+        self.run_node = RunNode(**settings)
         self.node = self.run_node.dht
         self._last: tuple[float, int] | None = None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import random
 import time
 from collections.abc import AsyncIterator
@@ -18,9 +17,9 @@ from collections.abc import AsyncIterator
 import msgpack
 import pytest
 
-from agora_core.admission.credential import Credential, issue_credential
 from agora_core.admission.revocations import Revocations
 from agora_core.auth.peers import PeerVerifier
+from agora_core.auth.testing import TestAuthority
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode, Status
 from agora_core.dht import claims as claims_module
@@ -45,23 +44,14 @@ CONFIG = DhtConfig(
     tombstone_s=30.0,
 )
 AUTHORIZER = NodeKey.generate()
-_serials = itertools.count(1)
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
 def credential_for(key: NodeKey, *, lifetime_s: float = 600.0, run: str = RUN, authorizer=AUTHORIZER) -> dict:
-    now = time.time()
-    credential = Credential(
-        run=run,
-        node_id=key.node_id,
-        public_key=key.public_key,
-        role="dht",
-        stage=None,
-        issued=now - 1,
-        expires=now + lifetime_s,
-        serial=next(_serials),
+    signed = TestAuthority(RUN, authorizer).credential(
+        key, run=run, lifetime_s=lifetime_s, role="dht", stage=None
     )
-    return issue_credential(authorizer, credential).to_value()
+    return signed.to_value()
 
 
 def verifier() -> PeerVerifier:

@@ -13,20 +13,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agora_core.admission import HardwareReport, JoinRequest
 from agora_core.admission.answerer import DialBackAnswerer
-from agora_core.admission.credential import Credential, SignedCredential, issue_credential
+from agora_core.admission.credential import SignedCredential
 from agora_core.admission.credential_file import load_credential
 from agora_core.admission.join_client import Admission, JoinStatus
 from agora_core.admission.keeper import CredentialKeeper
+from agora_core.auth.testing import TestAuthority
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.dht import BlockingDht
@@ -178,21 +177,11 @@ def signed_credential(
     stage: int | None = None,
     lifetime_s: float = 3600.0,
 ) -> SignedCredential:
-    """A credential of ``run`` for ``node`` (``role``, on ``stage``), signed with the authorizer's
-    key directly, the way ``agora-authorizer credential`` issues one (for a test's own nodes)."""
-    issued = time.time()
-    fields = Credential(
-        run=run.name,
-        node_id=node.node_id,
-        public_key=node.public_key,
-        role=role,
-        stage=stage,
-        issued=issued,
-        expires=issued + lifetime_s,
-        serial=secrets.randbits(40),  # the authorizer's own serials stay far below
-        account="operator",
-    )
-    return issue_credential(authorizer, fields)
+    """A credential of ``run`` for ``node`` (``role``, on ``stage``), signed with the
+    authorizer's key directly, the way ``agora-authorizer credential`` issues one (for a
+    test's own nodes; serials far from the authorizer's own, which count from 1)."""
+    authority = TestAuthority(run.name, authorizer)
+    return authority.credential(node, role=role, stage=stage, lifetime_s=lifetime_s, account="operator")
 
 
 class RunObserver(BlockingDht):

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = get_logger("auth")
 
 HELLO_METHOD = "auth.hello"
+REFUSED_KEYS = 1024  # refused keys remembered before the expired ones are forgotten
 KEY_SEPARATOR = "@"  # "<hex Ed25519 public key>@<address>": a peer address that names its key
 Resolver = Callable[[str], "bytes | None"]  # address -> the Ed25519 key of the node there
 
@@ -125,6 +126,8 @@ class TransportSecurity:
                 except CredentialError as exc:
                     raise Unauthenticated(f"credential refused ({exc.reason}): {exc}") from None
         except Unauthenticated as exc:
+            if len(self._refused) >= REFUSED_KEYS:
+                self.forget_refusals()  # those refused long enough ago
             self._refused[bytes.fromhex(user_id)] = time.monotonic() + self.refused_for_s
             log.info("peer_refused", key=user_id[:16], reason=str(exc))
             raise
@@ -216,7 +219,7 @@ class TransportSecurity:
             listener(revocations)
 
     def forget_refusals(self, now: float | None = None) -> None:
-        """Drop expired entries of the refused-keys list (it is bounded by the run's size)."""
+        """Drop the refused keys whose refusal has run out (revoked ones stay)."""
         now = time.monotonic() if now is None else now
         for key, until in list(self._refused.items()):
             if until < now:

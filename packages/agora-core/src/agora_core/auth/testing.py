@@ -46,7 +46,9 @@ class TestAuthority:
     def __init__(self, run: str = "auth-test", key: NodeKey | None = None):
         self.run = run
         self.key = key or NodeKey.generate()
-        self._serials = itertools.count(int.from_bytes(os.urandom(4), "little"))
+        self._serials = itertools.count(
+            1 << 32 | int.from_bytes(os.urandom(4), "little")
+        )  # far from a database's
 
     def run_config(self) -> RunConfig:
         """A small authorized run naming this key."""
@@ -64,6 +66,7 @@ class TestAuthority:
         lifetime_s: float = 600.0,
         role: str = "worker",
         stage: int | None = 0,
+        account: str = "tests",
     ) -> SignedCredential:
         issued = time.time()
         fields = Credential(
@@ -75,7 +78,7 @@ class TestAuthority:
             issued=issued,
             expires=issued + lifetime_s,
             serial=next(self._serials),
-            account="tests",
+            account=account,
         )
         return issue_credential(self.key, fields)
 

@@ -224,7 +224,7 @@ class ClientConnections:
         )
         try:
             await self._send(peer, request, deadline)
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.config.connect_timeout_s):
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # send and answer
                 reply = await future
             peer.identity = self.security.check_server(reply.meta, peer.public_key, peer.credentialed)
         except TimeoutError:
@@ -267,7 +267,6 @@ class ClientConnections:
         while True:
             await asyncio.sleep(self.security.recheck_s)
             self._recheck()
-            self.security.forget_refusals()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -16,7 +16,7 @@ from typing import Union
 import zmq
 
 from agora_core.addresses import normalize_address
-from agora_core.auth.access import ANYONE, CREDENTIALED, Access
+from agora_core.auth.access import CREDENTIALED, Access
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
 from agora_core.errors import (
     BadRequest,
@@ -86,8 +86,6 @@ class RpcServer:
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
         self.traffic = Traffic()  # messages and bytes, as plain numbers for tools and benchmarks
         self._metrics = ServerMetrics(metrics, self.traffic)
-        if security is not None:
-            self.register(HELLO_METHOD, self._on_hello, access=ANYONE)
 
     # --- registration and lifecycle --------------------------------------------------------
 
@@ -150,9 +148,6 @@ class RpcServer:
             self._pump = None
         if self._guard is not None:
             self._guard.close()
-
-    async def _on_hello(self, request: Request) -> Payload:
-        raise HandlerFailed("greetings are answered as they arrive")  # see _accept
 
     async def __aenter__(self) -> RpcServer:
         await self.start()
@@ -220,19 +215,20 @@ class RpcServer:
     ) -> None:
         rid = message.request_id
         handler = self._handlers.get(message.method)
-        caller, user_id, sender = None, "", message.sender
-        if self._guard is not None and handler is not None:
-            who = self._guard.caller(first)
-            caller, user_id, sender = who.identity, who.user_id, who.sender
+        caller, sender = None, message.sender
+        if self._guard is not None:
+            user_id = first.get("User-Id")  # the connection's key, as the ZAP handler named it
             if message.method == HELLO_METHOD:
                 # answered at once, not in a task: the calls the caller sends right after it
                 # on the same connection must find it credentialed already
-                accesses = [h.access for m, h in self._handlers.items() if m != HELLO_METHOD]
-                answer = self._guard.greet(who, message.meta, accesses)
+                answer = self._guard.greet(user_id, message.meta, [h.access for h in self._handlers.values()])
                 if isinstance(answer, RpcError):
                     self._reject(answer.code)
                     return self._reply_error(identity, rid, answer)
                 return self._reply_soon(identity, Message(kind=Kind.RESPONSE, request_id=rid, meta=answer))
+            caller = self._guard.security.caller(user_id, time.time())
+            sender = caller.node_id if caller is not None else ""
+        if self._guard is not None and handler is not None:
             refusal = handler.access.refusal(caller, message.method)
             if refusal is not None:
                 self._reject(refusal.code)
@@ -267,7 +263,6 @@ class RpcServer:
             peer=identity,
             deadline=time.monotonic() + remaining,
             caller=caller,
-            user_id=user_id,
         )
         call = Call(method=message.method, started=time.perf_counter())
         if handler.streaming:

@@ -61,7 +61,6 @@ class Request:
     peer: bytes  # transport identity of the connection; opaque
     deadline: float  # time.monotonic() by which the caller stops waiting
     caller: PeerIdentity | None = None  # who the caller is (authorized runs): role, stage, key
-    user_id: str = ""  # the connection's CURVE key in hex (authorized runs)
 
     @property
     def remaining_s(self) -> float:

@@ -149,6 +149,51 @@ async def test_handler_errors_arrive_typed_with_the_remote_message(server, clien
     assert (await client.call(server.address, "echo", 1)).meta == 1
 
 
+async def test_plain_function_handlers_answer_on_the_receive_path_with_the_same_errors(client):
+    metrics = NodeMetrics(role="test", instance="inline")
+    srv = RpcServer(metrics=metrics)
+    seen = []
+
+    def lookup(request):  # a plain function: no task, its reply goes out at once
+        seen.append(request.meta)
+        if request.meta == "bad":
+            raise BadRequest("no such key")
+        if request.meta == "bug":
+            raise KeyError("oops")
+        if request.meta == "wrong":
+            return {"not": "a payload"}
+        return Payload({"found": request.meta}) if request.meta is not None else None
+
+    async def later(request):
+        await asyncio.sleep(0)
+        return Payload("later")
+
+    srv.register("lookup", lookup)
+    srv.register("deferred", lambda request: later(request))  # returns a coroutine: run as a task
+    await srv.start()
+    try:
+        replies = await asyncio.gather(*(client.call(srv.address, "lookup", i) for i in range(50)))
+        assert [r.meta for r in replies] == [{"found": i} for i in range(50)]
+        assert (await client.call(srv.address, "lookup")).meta is None  # None: an empty Payload
+        with pytest.raises(BadRequest, match="no such key"):
+            await client.call(srv.address, "lookup", "bad")
+        with pytest.raises(HandlerFailed, match="KeyError"):
+            await client.call(srv.address, "lookup", "bug")
+        with pytest.raises(HandlerFailed, match="expected Payload or None"):
+            await client.call(srv.address, "lookup", "wrong")
+        assert (await client.call(srv.address, "deferred")).meta == "later"
+        assert srv.inflight == 0  # nothing of the inline calls is left behind
+        ok = metrics.sample_value("agora_rpc_requests_total", {"method": "lookup", "outcome": "ok"})
+        failed = metrics.sample_value(
+            "agora_rpc_requests_total", {"method": "lookup", "outcome": "bad_request"}
+        )
+        timed = metrics.sample_value("agora_rpc_handler_seconds_count", {"method": "lookup"})
+        assert (ok, failed, timed) == (51, 1, 54)
+        assert b'agora_rpc_handler_seconds_bucket{instance="inline"' in metrics.exposition()
+    finally:
+        await srv.stop()
+
+
 async def test_deadline_exceeded_on_client_and_handler_cancelled_on_server(server, client, slow):
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):

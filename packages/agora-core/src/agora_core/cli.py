@@ -99,11 +99,11 @@ def config_check(file: str) -> None:
 # --- a standalone node ----------------------------------------------------------------------
 
 
-async def _ping(request: Request) -> Payload:
+def _ping(request: Request) -> Payload:
     return Payload({"pong": True, "time": time.time()})
 
 
-async def _echo(request: Request) -> Payload:
+def _echo(request: Request) -> Payload:
     return Payload(request.meta, request.tensors)
 
 

@@ -105,7 +105,10 @@ def encode(message: Message, config: WireConfig) -> list[Any]:
     """Encode to ``[header, *buffers]``; the buffers are ``encode_tensors``' data frames (raw
     chunks are not copied: see :mod:`agora_core.tensor_frames`)."""
     limits = config.limits
-    descriptors, buffers = encode_tensors(message.tensors, config, compress=message.compress)
+    if message.tensors:
+        descriptors, buffers = encode_tensors(message.tensors, config, compress=message.compress)
+    else:
+        descriptors, buffers = [], []  # the common small message
     header: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "kind": int(message.kind),
@@ -159,37 +162,38 @@ def peek_request_id(header: dict[str, Any]) -> int | None:
 
 def check_header(header: dict[str, Any], limits: WireLimits) -> Message:
     """Validate the header's schema and limits; return a Message without tensors yet."""
+    # type(x) is int, not a helper call: this runs for every message (and bool is no int here)
     version = header.get("v")
     if (
         type(version) is not list
         or len(version) != 2
-        or not (exact_int(version[0]) and exact_int(version[1]))
+        or type(version[0]) is not int
+        or type(version[1]) is not int
     ):
         raise MalformedMessage("header field 'v' must be [major, minor]")
     if version[0] != PROTOCOL_VERSION[0]:
         raise UnsupportedProtocolVersion(
             f"peer speaks protocol {version[0]}.{version[1]}; this node speaks {PROTOCOL_VERSION[0]}.x"
         )
-    kind = _KINDS.get(header.get("kind")) if exact_int(header.get("kind")) else None
+    kind = header.get("kind")
+    kind = _KINDS.get(kind) if type(kind) is int else None
     if kind is None:
         raise MalformedMessage(f"unknown message kind {header.get('kind')!r}")
     method = header.get("method", "")
     if not isinstance(method, str) or len(method) > limits.max_name_chars:
         raise MalformedMessage("header field 'method' must be a str of bounded length")
-    rid = peek_request_id(header)
-    if rid is None:
+    rid = header.get("id")
+    if type(rid) is not int or not 0 <= rid < 1 << 63:
         raise MalformedMessage("header field 'id' must be a non-negative 63-bit int")
     deadline = header.get("deadline_s")
-    if deadline is not None and (
-        not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or math.isnan(deadline)
-    ):
+    if deadline is not None and (type(deadline) not in (int, float) or math.isnan(deadline)):
         raise MalformedMessage("header field 'deadline_s' must be a number or nil")
     sender = header.get("sender", "")
     if not isinstance(sender, str) or len(sender) > limits.max_name_chars:
         raise MalformedMessage("header field 'sender' must be a str of bounded length")
     end = header.get("end", False)
     credit = header.get("credit", 0)
-    if not isinstance(end, bool) or not exact_int(credit) or not 0 <= credit <= 1 << 20:
+    if type(end) is not bool or type(credit) is not int or not 0 <= credit <= 1 << 20:
         raise MalformedMessage("header fields 'end'/'credit' have wrong types or range")
     message = Message(
         kind=kind,

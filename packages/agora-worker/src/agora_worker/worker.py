@@ -346,7 +346,7 @@ class Worker:
 
     # --- operators, tools and peers ------------------------------------------------------------
 
-    async def _on_info(self, request: Request) -> Payload:
+    def _on_info(self, request: Request) -> Payload:
         return Payload(worker_info(self))
 
     async def _on_parameters(self, request: Request) -> Payload:
@@ -362,7 +362,7 @@ class Worker:
             {"step": self.optimizer.step, "total_samples": self.optimizer.total_samples}, {"values": values}
         )
 
-    async def _on_poke(self, request: Request) -> Payload:
+    def _on_poke(self, request: Request) -> Payload:
         """A worker of this stage stepped: check the stage's progress now."""
         self.progress.poked()
         return Payload()

@@ -71,6 +71,8 @@ class Gossip:
         self._m_sent = metrics.counter(
             "agora_dht_gossip_messages_total", "Membership messages sent.", ["kind"]
         )
+        # plain functions where the answer is at hand: the server runs them on its receive
+        # path, without a task per request
         for method, handler in (
             (Method.DHT_JOIN, self._on_join),
             (Method.DHT_PING, self._on_ping),
@@ -183,7 +185,7 @@ class Gossip:
         """Every member this node knows of, tombstones included, as a payload's tensors."""
         return member_list.pack(self.table.snapshot())
 
-    async def _on_join(self, request: Request) -> Payload:
+    def _on_join(self, request: Request) -> Payload:
         joiner = parse_update(request.meta.get("member") if isinstance(request.meta, dict) else None)
         if joiner is None or joiner.status != Status.ALIVE:
             raise BadRequest(
@@ -204,7 +206,7 @@ class Gossip:
             }
         )
 
-    async def _on_ping(self, request: Request) -> Payload:
+    def _on_ping(self, request: Request) -> Payload:
         self._absorb(request.meta, self._request_budget())
         return self._reply()
 
@@ -219,7 +221,7 @@ class Gossip:
         ok = ok and await self.ping(target, timeout_s)
         return self._reply(ok=ok)
 
-    async def _on_sync(self, request: Request) -> Payload:
+    def _on_sync(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
         listed = member_list.unpack(meta, request.tensors)
         self.table.apply_all(listed, budget=self._request_budget(), limit=member_list.MAX_LISTED)
@@ -257,6 +259,6 @@ class Gossip:
         except RpcError:
             pass
 
-    async def _on_members(self, request: Request) -> Payload:
+    def _on_members(self, request: Request) -> Payload:
         live = [m.to_wire() for m in self.table.live()]
         return Payload({"digest": self.table.digest()}, member_list.pack(live))

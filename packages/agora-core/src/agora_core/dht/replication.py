@@ -61,6 +61,8 @@ class Replication:
         self._sender = sender
         self._introduce = introduce
         self._replica_memo: dict[str, frozenset[str]] = {}  # key -> replicas it was last handed to
+        # plain functions where the answer is at hand: the server runs them on its receive
+        # path, without a task per request
         for method, handler in (
             (Method.DHT_STORE, self._on_store),
             (Method.DHT_GET, self._on_get),
@@ -92,13 +94,13 @@ class Replication:
         self._records_gauge.set(len(self.records))
         return stored, errors
 
-    async def _on_store(self, request: Request) -> Payload:
+    def _on_store(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
         self._introduce(meta.get("from"))
         stored, errors = self._accept_items(meta.get("items"), meta.get("now"))
         return Payload({"stored": stored, "errors": errors})
 
-    async def _on_get(self, request: Request) -> Payload:
+    def _on_get(self, request: Request) -> Payload:
         keys = request.meta.get("keys") if isinstance(request.meta, dict) else None
         if (
             not isinstance(keys, list)
@@ -114,7 +116,7 @@ class Replication:
                 found[key] = {subkey: record.to_wire() for subkey, record in records.items()}
         return Payload({"records": found})
 
-    async def _on_digest(self, request: Request) -> Payload:
+    def _on_digest(self, request: Request) -> Payload:
         """Anti-entropy: given (key -> subkey -> expiration), name what this replica lacks."""
         digest = request.meta.get("digest") if isinstance(request.meta, dict) else None
         if not isinstance(digest, dict) or len(digest) > MAX_KEYS_PER_CALL:

@@ -296,10 +296,12 @@ class ClientConnections:
     async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
-        nbytes = frames_nbytes(frames)
-        self.traffic.sent(nbytes)
+        self.traffic.sent(frames_nbytes(frames))
+        frames.insert(0, peer.routing_id)
+        pump = self._socket()
         try:
-            await self._socket().send([peer.routing_id, *frames], deadline)
+            if not pump.send_nowait(frames):  # the common case: zmq takes it at once
+                await pump.send(frames, deadline)
         except ConnectionError:
             raise PeerUnreachable(f"connection to {peer.address} is gone") from None
 

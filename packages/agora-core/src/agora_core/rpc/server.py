@@ -1,6 +1,8 @@
 """The RPC server: one ROUTER socket, handlers registered by method name.
 
-Each request runs in its own task under the caller's deadline. Whatever arrives — garbage,
+A coroutine handler runs in a task of its own under the caller's deadline. A plain function
+(a handler that never waits: a ping, a DHT lookup) runs on the receive path and its reply
+goes out at once — no task, no timer, one turn of the loop per small call. Whatever arrives — garbage,
 truncated frames, oversized declarations, unknown methods, floods beyond the in-flight limit —
 is answered with a typed error when the sender can be identified, otherwise dropped, and in
 both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server keeps serving.
@@ -9,6 +11,8 @@ both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Union
@@ -31,7 +35,14 @@ from agora_core.errors import (
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.rpc.server_calls import Call, Handler, reject_reason
+from agora_core.rpc.server_calls import (
+    Call,
+    Handler,
+    error_message,
+    handler_failure,
+    reject_reason,
+    response_message,
+)
 from agora_core.rpc.server_metrics import ServerMetrics
 from agora_core.rpc.server_security import ServerSecurity
 from agora_core.rpc.streams import ServerStream
@@ -47,7 +58,7 @@ from agora_core.wire import (
     unpack_header,
 )
 
-UnaryHandler = Callable[[Request], Awaitable[Union[Payload, None]]]
+UnaryHandler = Callable[[Request], Union[Awaitable[Union[Payload, None]], Payload, None]]
 StreamHandler = Callable[[ServerStream], Awaitable[Union[Payload, None]]]
 
 log = get_logger("rpc.server")
@@ -99,7 +110,9 @@ class RpcServer:
         access: Access = CREDENTIALED,
     ) -> None:
         """Serve ``method``: ``await handler(Request)``, or with ``stream=True``
-        ``await handler(ServerStream)``; either returns a :class:`Payload` or None.
+        ``await handler(ServerStream)``; either returns a :class:`Payload` or None. A plain
+        function ``handler(Request)`` is called at once when the request arrives and must not
+        block: it is for answers at hand.
 
         ``window``: the items a streaming caller may have in flight to this handler (default
         ``RpcConfig.stream_window``). ``access``: who may call it in an authorized run (any
@@ -110,7 +123,8 @@ class RpcServer:
             raise ValueError(f"method {method!r} is already registered")
         if window is not None and not stream:
             raise ValueError("a stream window is for streaming methods only")
-        self._handlers[method] = Handler(handler, stream, self.config.window(window), access)
+        inline = not stream and not inspect.iscoroutinefunction(handler)
+        self._handlers[method] = Handler(handler, stream, self.config.window(window), access, inline)
 
     @property
     def methods(self) -> list[str]:
@@ -225,7 +239,7 @@ class RpcServer:
                 if isinstance(answer, RpcError):
                     self._reject(answer.code)
                     return self._reply_error(identity, rid, answer)
-                return self._reply_soon(identity, Message(kind=Kind.RESPONSE, request_id=rid, meta=answer))
+                return self._reply(identity, Message(kind=Kind.RESPONSE, request_id=rid, meta=answer))
             caller = self._guard.security.caller(user_id, time.time())
             sender = caller.node_id if caller is not None else ""
         if self._guard is not None and handler is not None:
@@ -264,21 +278,30 @@ class RpcServer:
             deadline=time.monotonic() + remaining,
             caller=caller,
         )
-        call = Call(method=message.method, started=time.perf_counter())
+        if handler.inline:
+            return self._answer_inline(identity, rid, handler, request)
+        self._start(identity, rid, handler, request, message.credit)
+
+    def _start(
+        self, identity: bytes, rid: int, handler: Handler, request: Request, credit: int, running=None
+    ) -> None:
+        """Run ``handler`` (or finish ``running``, the awaitable it already returned) in a task."""
+        key = (identity, rid)
+        call = Call(method=request.method, started=time.perf_counter())
         if handler.streaming:
             call.stream = ServerStream(
                 request,
                 request_id=rid,
-                method=message.method,
+                method=request.method,
                 window=handler.window,
-                peer_window=message.credit,
+                peer_window=credit,
                 deadline=request.deadline,
                 send_message=lambda m: self._send(identity, m),
             )
         self._calls[key] = call
         self._metrics.inflight.inc()
         loop = asyncio.get_running_loop()
-        call.task = loop.create_task(self._run(key, identity, handler, request, call))
+        call.task = loop.create_task(self._run(key, identity, handler, request, call, running))
         call.timer = loop.call_at(request.deadline, self._deadline_passed, call)
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         call.task.add_done_callback(lambda _task: self._forget(key))
@@ -300,7 +323,22 @@ class RpcServer:
 
     # --- running a call ---------------------------------------------------------------------
 
-    async def _run(self, key, identity: bytes, handler: Handler, request: Request, call: Call) -> None:
+    def _answer_inline(self, identity: bytes, rid: int, handler: Handler, request: Request) -> None:
+        started = time.perf_counter()
+        try:
+            result = handler.fn(request)
+            if inspect.isawaitable(result):  # a callable that returns a coroutine: a task runs it
+                return self._start(identity, rid, handler, request, 0, result)
+            reply, outcome = response_message(rid, result), "ok"
+        except Exception as exc:
+            error = handler_failure(request.method, exc)
+            reply, outcome = error_message(rid, error), error.code
+        self._reply(identity, reply)
+        self._metrics.handled(request.method, outcome, time.perf_counter() - started)
+
+    async def _run(
+        self, key, identity: bytes, handler: Handler, request: Request, call: Call, running=None
+    ) -> None:
         rid = key[1]
         outcome = "ok"
         try:
@@ -309,36 +347,25 @@ class RpcServer:
                     await self._send(
                         identity, Message(kind=Kind.CREDIT, request_id=rid, credit=handler.window)
                     )
-                result = await handler.fn(call.stream if call.stream is not None else request)
+                if running is None:
+                    running = handler.fn(call.stream if call.stream is not None else request)
+                result = await running
             except asyncio.CancelledError:
                 if not call.deadline_passed or call.cancelled_by_peer:
                     raise
                 raise DeadlineExceeded(f"{request.method!r} ran past the caller's deadline") from None
-            if result is None:
-                result = Payload()
-            elif not isinstance(result, Payload):
-                raise HandlerFailed(f"handler returned {type(result).__name__}; expected Payload or None")
             try:
-                await self._send(
-                    identity,
-                    Message(kind=Kind.RESPONSE, request_id=rid, meta=result.meta, tensors=result.tensors),
-                )
+                await self._send(identity, response_message(rid, result))
             except WireError as exc:
                 raise HandlerFailed(f"reply could not be encoded: {exc}") from None
         except asyncio.CancelledError:
             if not call.cancelled_by_peer:
                 raise
             outcome = "cancelled"
-        except RpcError as exc:
-            outcome = exc.code
-            await self._send_error(identity, rid, exc)
-        except WireError as exc:  # the handler found the caller's data inconsistent
-            outcome = BadRequest.code
-            await self._send_error(identity, rid, BadRequest(str(exc)))
-        except Exception as exc:  # a handler bug: report it, keep serving
-            outcome = HandlerFailed.code
-            log.warning("handler_failed", method=request.method, error=f"{type(exc).__name__}: {exc}")
-            await self._send_error(identity, rid, HandlerFailed(f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a typed refusal, or a handler bug: report it, keep serving
+            error = handler_failure(request.method, exc)
+            outcome = error.code
+            await self._send(identity, error_message(rid, error))
         finally:
             call.outcome = outcome
 
@@ -360,17 +387,27 @@ class RpcServer:
             self.traffic.sent(nbytes)
             await self._pump.send([identity, *frames])
 
-    async def _send_error(self, identity: bytes, rid: int, error: RpcError) -> None:
-        message = Message(
-            kind=Kind.ERROR, request_id=rid, error_code=error.code, error_message=str(error)[:4000]
-        )
-        await self._send(identity, message)
-
     def _reply_error(self, identity: bytes, rid: int, error: RpcError) -> None:
-        self._spawn(self._send_error(identity, rid, error))
+        self._reply(identity, error_message(rid, error))
 
-    def _reply_soon(self, identity: bytes, message: Message) -> None:
-        self._spawn(self._send(identity, message))
+    def _reply(self, identity: bytes, message: Message) -> None:
+        """Send ``message`` from the receive path: at once when zmq takes it, else in a task."""
+        if self._pump is None:
+            return
+        message.sender = self.node_id
+        try:
+            frames = encode(message, self.config.wire)
+        except WireError as exc:
+            error = HandlerFailed(f"reply could not be encoded: {exc}")
+            frames = encode(error_message(message.request_id, error), self.config.wire)
+        self.traffic.sent(frames_nbytes(frames))
+        frames.insert(0, identity)
+        if not self._pump.send_nowait(frames):
+            self._spawn(self._send_later(frames))
+
+    async def _send_later(self, frames: list) -> None:
+        with contextlib.suppress(ConnectionError):  # closed meanwhile: the caller times out
+            await self._pump.send(frames)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -7,8 +7,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agora_core.auth.access import Access
-from agora_core.errors import LimitExceeded, UnsupportedProtocolVersion, WireError
+from agora_core.errors import (
+    BadRequest,
+    HandlerFailed,
+    LimitExceeded,
+    RpcError,
+    UnsupportedProtocolVersion,
+    WireError,
+)
+from agora_core.logs import get_logger
 from agora_core.rpc.streams import ServerStream
+from agora_core.rpc.types import Payload
+from agora_core.wire import Kind, Message
+
+log = get_logger("rpc.server")
 
 
 def reject_reason(error: WireError) -> str:
@@ -25,6 +37,7 @@ class Handler:
     streaming: bool
     window: int  # items a streaming caller may have in flight to it
     access: Access  # who may call it (checked with a security only)
+    inline: bool = False  # a plain function: called on the receive path, no task
 
 
 @dataclass(slots=True)
@@ -37,3 +50,26 @@ class Call:
     timer: asyncio.TimerHandle | None = None  # cancels the task at the caller's deadline
     outcome: str = "cancelled"  # until the handler's task says otherwise
     started: float = 0.0
+
+
+def response_message(rid: int, result) -> Message:
+    """The reply carrying what a handler returned (a Payload, or None for an empty one)."""
+    if result is None:
+        result = Payload()
+    elif not isinstance(result, Payload):
+        raise HandlerFailed(f"handler returned {type(result).__name__}; expected Payload or None")
+    return Message(kind=Kind.RESPONSE, request_id=rid, meta=result.meta, tensors=result.tensors)
+
+
+def error_message(rid: int, error: RpcError) -> Message:
+    return Message(kind=Kind.ERROR, request_id=rid, error_code=error.code, error_message=str(error)[:4000])
+
+
+def handler_failure(method: str, exc: Exception) -> RpcError:
+    """What a handler's exception tells its caller: its typed error, or that it failed."""
+    if isinstance(exc, RpcError):
+        return exc
+    if isinstance(exc, WireError):  # the handler found the caller's data inconsistent
+        return BadRequest(str(exc))
+    log.warning("handler_failed", method=method, error=f"{type(exc).__name__}: {exc}")  # a bug
+    return HandlerFailed(f"{type(exc).__name__}: {exc}")

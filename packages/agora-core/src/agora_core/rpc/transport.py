@@ -128,6 +128,14 @@ class SocketPump:
             return
         await self._send_now(frames, deadline)
 
+    def send_nowait(self, frames: list) -> bool:
+        """Send at once if zmq takes the message now and nothing waits ahead of it for its
+        destination; False otherwise (then :meth:`send` it). A reply made on the receive path
+        goes out this way without a task of its own."""
+        if self._closed or self._up is not None or bytes(frames[0]) in self._outboxes:
+            return False
+        return self._try_send(frames)
+
     async def _send_now(self, frames: list, deadline: float | None = None) -> None:
         key = bytes(frames[0])
         if key not in self._outboxes and self._try_send(frames):

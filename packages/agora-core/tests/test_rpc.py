@@ -237,6 +237,26 @@ async def test_nobody_listening_is_peer_unreachable_quickly(client):
     assert time.monotonic() - t0 < 2  # refused: no need to wait for the connect timeout
 
 
+async def test_a_short_call_leaves_a_connection_being_set_up_to_the_next_one():
+    # a listener that takes the TCP connection and never speaks ZMTP: forever connecting
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    cli = RpcClient(config=RpcConfig(connect_timeout_s=1.0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="still connecting"):
+            await cli.call(address, "echo", timeout_s=0.2)
+        assert cli.connections == 1  # the attempt goes on: a probe-sized call must not restart it
+        with pytest.raises(PeerUnreachable, match=r"within 1\.00 s"):
+            await cli.call(address, "echo", timeout_s=10.0)
+        assert cli.connections == 0 and time.monotonic() - started < 5.0  # the connect timeout, not 10 s
+    finally:
+        await cli.close()
+        listener.close()
+
+
 async def test_peer_killed_mid_call_is_peer_unreachable_not_a_full_timeout(client, rpc_node):
     node, address = rpc_node
     assert (await client.call(address, "echo", "up")).meta == "up"

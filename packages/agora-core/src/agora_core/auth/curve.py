@@ -8,11 +8,14 @@ other side holds that node's secret key.
 
 from __future__ import annotations
 
+import functools
+
 import nacl.bindings
 
 from agora_core.identity import NodeKey
 
 
+@functools.lru_cache(maxsize=8192)  # asked per connection and per greeting: the same few keys
 def curve_public_key(ed25519_public_key: bytes) -> bytes:
     """The 32-byte X25519 public key of an Ed25519 public key."""
     return nacl.bindings.crypto_sign_ed25519_pk_to_curve25519(ed25519_public_key)

@@ -61,6 +61,7 @@ class _Peer:
     def __init__(self, address: str, routing_id: bytes):
         self.address = address
         self.routing_id = routing_id
+        self.opened = time.monotonic()
         self.public_key: bytes | None = None  # the key the node there must hold (secured)
         self.credentialed = True  # ... and whether it must hold a credential too
         self.identity: PeerIdentity | None = None  # who it proved to be (secured)
@@ -238,6 +239,8 @@ class ClientConnections:
             return
         finally:
             peer.pending.pop(rid, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # failed by a drop while our send failed too: seen here
             peer.greeting = False
         peer.connected = True
         peer.settled.set()
@@ -280,13 +283,19 @@ class ClientConnections:
 
     async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
         if not peer.settled.is_set():
-            limit = max(0.0, min(self.config.connect_timeout_s, deadline - time.monotonic()))
+            give_up_at = peer.opened + self.config.connect_timeout_s
             try:
-                async with asyncio.timeout(limit):
+                async with asyncio.timeout_at(min(give_up_at, deadline)):
                     await peer.settled.wait()
             except TimeoutError:
+                if time.monotonic() < give_up_at:
+                    # Only this call ran out of time. The connection goes on being set up for
+                    # the next one: dropping it here would start every short call (a probe)
+                    # on a loaded node from scratch, and none would ever get through.
+                    raise PeerUnreachable(f"no connection to {peer.address} yet (still connecting)") from None
                 error = PeerUnreachable(
-                    f"no connection to {peer.address} within {limit:.2f} s (is a node listening there?)"
+                    f"no connection to {peer.address} within {self.config.connect_timeout_s:.2f} s "
+                    "(is a node listening there?)"
                 )
                 self._drop(peer, error)
                 raise error from None

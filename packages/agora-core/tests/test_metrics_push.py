@@ -122,12 +122,17 @@ def test_a_node_given_a_bad_gateway_exits_at_startup_with_the_reason(tmp_path):
         timeout=60,
     )
     assert result.returncode == 2
-    assert result.stderr.startswith("error: metrics_push_gateway: 'localhost': expected host:port"), result.stderr
+    assert result.stderr.startswith("error: metrics_push_gateway: 'localhost': expected host:port"), (
+        result.stderr
+    )
 
 
 def test_good_gateway_addresses_and_the_interval_knob():
     settings = NodeSettings.resolve(
-        environ={"AGORA_METRICS_PUSH_GATEWAY": "http://127.0.0.1:9091/", "AGORA_METRICS_PUSH_INTERVAL_S": "2.5"}
+        environ={
+            "AGORA_METRICS_PUSH_GATEWAY": "http://127.0.0.1:9091/",
+            "AGORA_METRICS_PUSH_INTERVAL_S": "2.5",
+        }
     )
     assert settings.metrics_push_interval_s == 2.5
     assert MetricsPusher(NodeMetrics(role="x"), settings.metrics_push_gateway, run="r", interval_s=1).url == (
@@ -135,4 +140,3 @@ def test_good_gateway_addresses_and_the_interval_knob():
     )
     with pytest.raises(ConfigError, match="metrics_push_interval_s"):
         NodeSettings.resolve(environ={"AGORA_METRICS_PUSH_INTERVAL_S": "0"})
-

@@ -52,7 +52,11 @@ def check_metrics(exposition: bytes) -> str:
     """``promtool check metrics`` on a text exposition: "" if it passed, else what it said.
     promtool exits 1 for lint problems (names, units, help) as well as for parse errors."""
     result = promtool("check", "metrics", stdin=exposition)
-    return "" if result.returncode == 0 else result.stdout.decode(errors="replace") or f"exit {result.returncode}"
+    return (
+        ""
+        if result.returncode == 0
+        else result.stdout.decode(errors="replace") or f"exit {result.returncode}"
+    )
 
 
 def free_loopback_port() -> int:
@@ -123,7 +127,12 @@ def pushgateway_process() -> Iterator[PushGateway]:
     stopped (SIGTERM, then SIGKILL) when the block exits, however it exits."""
     address = f"127.0.0.1:{free_loopback_port()}"
     proc = subprocess.Popen(
-        [require_tool(PUSHGATEWAY), f"--web.listen-address={address}", "--persistence.file=", "--log.level=warn"],
+        [
+            require_tool(PUSHGATEWAY),
+            f"--web.listen-address={address}",
+            "--persistence.file=",
+            "--log.level=warn",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

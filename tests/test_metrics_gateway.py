@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agora_authorizer.testing import authorizer_process
+from agora_core.auth.testing import SMALL_MODEL
 from agora_core.testing import ChildProcess, spawn_python, wait_until
 from agora_core.testing_prometheus import PushGateway, check_metrics, pushgateway_process
 from agora_trainer.shards import make_shards
@@ -29,16 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 METRICS_HOST = "127.0.0.2"  # not the default 127.0.0.1: the knob must be what binds
 START_S = 60.0  # a worker imports torch on a busy machine
 PUSH_S = 10.0
-RUN = """
+RUN = f"""
 name = "metrics-test"
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1]
+{SMALL_MODEL}
 [dht]
 gossip_period_s = 0.2
 probe_timeout_s = 0.1

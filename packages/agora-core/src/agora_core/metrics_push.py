@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import urllib.parse
+from collections.abc import Callable
 
 from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 
@@ -137,7 +138,7 @@ class MetricsPusher:
         else:
             self.push_once()
 
-    def _attempt(self, what: str, action) -> bool:
+    def _attempt(self, what: str, action: Callable[[], None]) -> bool:
         try:
             action()
         except Exception as exc:  # any failure of a best-effort push: urllib's, the gateway's

@@ -120,26 +120,48 @@ def _postgres_installed() -> bool:
     return shutil.which("initdb") is not None or bool(glob.glob(f"{POSTGRES_BIN_GLOB}/initdb"))
 
 
-def ensure_postgres() -> bool:
-    """The authorizer's store is tested on a real PostgreSQL server: as root, install the
-    server with apt when it is missing; otherwise say what to install. False if it is not there."""
-    if _postgres_installed():
-        return True
+def _apt_install(packages: list[str], needed_for: str) -> bool:
+    """As root, ``apt-get install`` ``packages`` (what ``needed_for`` needs); otherwise say
+    what to install. True if apt succeeded."""
+    names = " ".join(packages)
     if getattr(os, "geteuid", lambda: -1)() != 0 or shutil.which("apt-get") is None:
-        _say("the tests need a PostgreSQL server (initdb, pg_ctl): install the `postgresql` package")
-        _say("  Debian/Ubuntu: sudo apt-get install -y postgresql; then rerun")
+        _say(f"{needed_for} need {names}: Debian/Ubuntu: sudo apt-get install -y {names}; then rerun")
         return False
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}  # no prompts from the package scripts
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "postgresql"]):
-        _say(f"no PostgreSQL server for the authorizer tests: {' '.join(command)}")
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
+        _say(f"missing for {needed_for}: {' '.join(command)}")
         if subprocess.run(command, env=env).returncode != 0:
             _say(f"failed: {' '.join(command)}")
             return False
-    return _postgres_installed()
+    return True
+
+
+def ensure_postgres() -> bool:
+    """The authorizer's store is tested on a real PostgreSQL server (initdb, pg_ctl): install
+    the server with apt when it is missing. False if it is not there."""
+    if _postgres_installed():
+        return True
+    return _apt_install(["postgresql"], "the authorizer's store tests") and _postgres_installed()
+
+
+# What Debian's packages install on PATH (dpkg -L prometheus prometheus-pushgateway): the
+# metrics tests lint expositions and alert rules with promtool and push to a real gateway
+PROMETHEUS_TOOLS = {"promtool": "prometheus", "prometheus-pushgateway": "prometheus-pushgateway"}
+
+
+def ensure_prometheus_tools() -> bool:
+    """Install the Prometheus packages whose tools are missing with apt. False if a tool is
+    still not there."""
+    missing = sorted({package for tool, package in PROMETHEUS_TOOLS.items() if shutil.which(tool) is None})
+    if not missing:
+        return True
+    return _apt_install(missing, "the metrics tests (promtool, a push gateway)") and all(
+        shutil.which(tool) is not None for tool in PROMETHEUS_TOOLS
+    )
 
 
 def run_tests(extra: list[str]) -> int:
-    if not ensure_postgres():
+    if not ensure_postgres() or not ensure_prometheus_tools():
         return 1
     _say("linting (ruff check, ruff format --check)")
     for lint in (["check", "."], ["format", "--check", "."]):

@@ -1,12 +1,10 @@
-"""Per-node metrics (labels, HTTP exposition, push gateway) and structured logging."""
+"""Per-node metrics (labels, HTTP exposition) and structured logging; pushes: test_metrics_push.py."""
 
 from __future__ import annotations
 
 import io
 import json
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
@@ -71,34 +69,6 @@ def test_metrics_are_served_over_http():
         assert 'agora_test_scraped_total{instance="t1",role="trainer",stage=""} 2.0' in body
     finally:
         endpoint.close()
-
-
-def test_metrics_are_pushed_to_a_gateway():
-    received = {}
-
-    class Gateway(BaseHTTPRequestHandler):
-        def do_PUT(self):
-            received["path"] = self.path
-            received["body"] = self.rfile.read(int(self.headers["Content-Length"])).decode()
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Gateway)
-    thread = threading.Thread(target=server.handle_request, daemon=True)
-    thread.start()
-    try:
-        metrics = NodeMetrics(role="worker", stage=1, instance="c7")
-        metrics.counter("agora_test_pushed_total", "Pushed.").inc()
-        metrics.push(f"127.0.0.1:{server.server_port}", job="agora-test")
-        thread.join(timeout=10)
-    finally:
-        server.server_close()
-    assert received["path"].startswith("/metrics/job/agora-test")
-    assert "/role/worker" in received["path"] and "/stage/1" in received["path"]
-    assert "agora_test_pushed_total" in received["body"]
 
 
 def test_json_logs_are_one_object_per_line():

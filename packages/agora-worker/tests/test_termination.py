@@ -30,6 +30,7 @@ from agora_core.schema import (
     stage_workers_key,
 )
 from agora_core.testing import ChildProcess, spawn_python
+from agora_core.testing_prometheus import pushgateway_process
 from agora_worker.averaging.matchmaking import Peer
 from agora_worker.termination import EXIT_CODES
 
@@ -83,8 +84,18 @@ class Running:
 
 
 @contextlib.contextmanager
-def worker(tmp_path, run_name: str, rules: str, *, bootstrap: str, reducer: str, batch: int = 8):
-    """A worker process of stage 1 under ``[termination]`` ``rules``; stopped however the block ends."""
+def worker(
+    tmp_path,
+    run_name: str,
+    rules: str,
+    *,
+    bootstrap: str,
+    reducer: str,
+    batch: int = 8,
+    env: dict | None = None,
+):
+    """A worker process of stage 1 under ``[termination]`` ``rules`` (``env``: more variables);
+    stopped however the block ends."""
     config = tmp_path / f"{run_name}.toml"
     config.write_text(
         RUN.format(
@@ -101,7 +112,7 @@ def worker(tmp_path, run_name: str, rules: str, *, bootstrap: str, reducer: str,
         *("--bootstrap", bootstrap, "--device", "cpu", "--key-file", str(tmp_path / f"{run_name}.key")),
         *("--progress-interval", "0.05", "--announce-interval", "0.2"),
     ]
-    with spawn_python(command, env={"AGORA_LOG_LEVEL": "error"}) as child:
+    with spawn_python(command, env={"AGORA_LOG_LEVEL": "error", **(env or {})}) as child:
         node_id = child.read_until("  node id    ", timeout_s=START_S)
         address = child.read_until("  serving    ", timeout_s=START_S)
         yield Running(child, run_name, node_id, address)
@@ -190,13 +201,21 @@ async def test_a_worker_holding_samples_while_its_stage_never_steps_terminates(
         assert departure.value >= 0.5 and departure.threshold == 0.5 and departure.unit == "s"
 
 
-async def test_a_worker_over_its_memory_limit_terminates(tmp_path, process_seed):
+async def test_a_worker_over_its_memory_limit_terminates_and_its_last_push_says_why(tmp_path, process_seed):
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
-    with worker(tmp_path, "term-rss", "max_host_rss_mib = 1", **args) as running:
-        await exits_for(running, DepartureReason.HOST_MEMORY)
-        departure = await departure_of(process_seed, running)
-        assert departure.unit == "MiB" and departure.threshold == 1.0
-        assert departure.value > 20.0  # a worker with torch loaded holds tens of MiB at least
+    with pushgateway_process() as gateway:
+        env = {"AGORA_METRICS_PUSH_GATEWAY": gateway.address}
+        with worker(tmp_path, "term-rss", "max_host_rss_mib = 1", **args, env=env) as running:
+            await exits_for(running, DepartureReason.HOST_MEMORY)
+            departure = await departure_of(process_seed, running)
+            assert departure.unit == "MiB" and departure.threshold == 1.0
+            assert departure.value > 20.0  # a worker with torch loaded holds tens of MiB at least
+        # not a clean exit: its group stays on the gateway, with the reason (monitoring/alerts.yml)
+        group = gateway.group(instance=running.node_id[:12])
+        assert group is not None and group.labels["run"] == "term-rss"
+        assert group.value("agora_worker_terminated", reason="host_memory") == 1
+        assert group.value("agora_worker_terminated", reason="device_failure") == 0
+        assert group.value("agora_worker_terminations_total", reason="host_memory") == 1
 
 
 async def test_a_worker_failing_two_of_three_averaging_rounds_terminates(tmp_path, process_seed, client):

@@ -9,6 +9,7 @@ import pytest
 
 from agora_core.config import TerminationConfig
 from agora_core.contract import DepartureReason
+from agora_core.host import host_rss_bytes
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_worker.averaging.averager import RoundReport
@@ -19,7 +20,6 @@ from agora_worker.termination.rules import (
     InARow,
     NoProgress,
     Unreachable,
-    host_rss_bytes,
 )
 from agora_worker.termination.watchdog import rules_for
 

@@ -30,10 +30,12 @@ from agora_authorizer import __version__, cli_credential
 from agora_authorizer.status import format_status, status_report
 from agora_authorizer.store import AlreadyExists, Store, StoreError
 from agora_core.admission.software import local_build
+from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
-from agora_core.node_cli import fail, load_config
+from agora_core.metrics_exposure import MetricsExposure
+from agora_core.node_cli import fail, load_config, resolve_node
 
 DEFAULT_KEY = "~/.agora/authorizer.key"
 NODE_ID = re.compile(r"^[0-9a-f]{40}$")
@@ -104,10 +106,19 @@ def keygen(key_file: str) -> None:
     help="Add the agora packages installed here (versions and source digests) to the allowed software.",
 )
 @click.option("--log-format", type=click.Choice(["auto", "console", "json"]), default="auto")
-def serve(config_file, db, key_file, listen, advertise, bootstrap, allow_local_build, log_format) -> None:
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any).")
+@click.option("--metrics-host", help="Address to serve metrics on (default 127.0.0.1; $AGORA_METRICS_HOST).")
+@click.option(
+    "--metrics-push-gateway",
+    help="Push metrics to this Prometheus push gateway (host:port or URL; $AGORA_METRICS_PUSH_GATEWAY).",
+)
+def serve(
+    config_file, db, key_file, listen, advertise, bootstrap, allow_local_build, log_format, **metrics
+) -> None:
     """Serve admissions for the run in --config until SIGINT/SIGTERM."""
     from agora_authorizer.service import Authorizer  # the store and RPC stack: only for serving
 
+    node = resolve_node({"listen": listen, **metrics})  # the metrics knobs, over AGORA_METRICS_*
     run = load_config(config_file)
     configure_logging(fmt=log_format)
     if not run.admission.authorized:
@@ -133,15 +144,16 @@ def serve(config_file, db, key_file, listen, advertise, bootstrap, allow_local_b
             bootstrap=list(bootstrap),
             allowed_software=extra,
         )
-        asyncio.run(_serve(authorizer))
+        asyncio.run(_serve(authorizer, node))
     except (AgoraError, OSError) as exc:
         fail(str(exc), code=1)
     finally:
         store.close()
 
 
-async def _serve(authorizer) -> None:
+async def _serve(authorizer, node: NodeSettings) -> None:
     address = await authorizer.start()
+    exposure = MetricsExposure.start(authorizer.metrics, node, run=authorizer.run.name)
     config = authorizer.config
     rate = (
         "no limit"
@@ -159,6 +171,8 @@ async def _serve(authorizer) -> None:
         if software.enabled
         else "  software   any (check off)"
     )
+    for line in exposure.describe():
+        click.echo(line)
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,6 +182,7 @@ async def _serve(authorizer) -> None:
         await stop.wait()
     finally:
         await authorizer.stop()
+        exposure.close(clean=stop.is_set())  # stopped as asked: its gateway group goes too
         click.echo("stopped")
 
 

@@ -23,6 +23,7 @@ from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.metrics_exposure import MetricsExposure
 from agora_core.node_cli import (
     fail,
     load_config,
@@ -137,12 +138,12 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
     server.register(Method.PING, _ping)
     server.register(Method.ECHO, _echo)
     address = await server.start()
-    endpoint = metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    exposure = MetricsExposure.start(metrics, settings, run="")  # a standalone node is in no run
     click.echo(f"agora node {key.node_id}")
     click.echo(f"  serving    {address}")
     click.echo(f"  methods    {', '.join(server.methods)}")
-    if endpoint is not None:
-        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    for line in exposure.describe():
+        click.echo(line)
     if link is not None:
         click.echo(f"  link       {settings.link}")
     log.info("node_started", address=address)
@@ -150,6 +151,7 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    clean = False  # a failure on the way keeps its last metrics on the gateway
     try:
         if self_check:
             await _self_check(address, link)
@@ -161,12 +163,10 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(duration_s, 0.0)):
                     await stop.wait()
+        clean = True
     finally:
         await server.stop(grace_s=2.0)
-        if endpoint is not None:
-            endpoint.close()
-        if settings.metrics_push_gateway:
-            metrics.push(settings.metrics_push_gateway)
+        exposure.close(clean=clean)
         log.info("node_stopped", address=address)
         click.echo("stopped")
 
@@ -233,13 +233,13 @@ async def _serve_dht(
     )
     node = run_node.dht
     address = await run_node.start()
-    endpoint = metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    exposure = MetricsExposure.start(metrics, settings, run=run.name)
     click.echo(f"agora dht node {key.node_id}")
     click.echo(f"  serving    {address}", nl=True)
     click.echo(f"  bootstrap  {key.public_key.hex()}@{address}")  # what other nodes pass --bootstrap
     click.echo(f"  members    {len(node.members())}")
-    if endpoint is not None:
-        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    for line in exposure.describe():
+        click.echo(line)
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -247,6 +247,7 @@ async def _serve_dht(
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
     last_ops, last_traffic, last_t = 0, node.traffic(), started
+    clean = False  # a failure on the way keeps its last metrics on the gateway
     try:
         while not stop.is_set():
             wait = status_interval_s
@@ -275,10 +276,10 @@ async def _serve_dht(
                     run_node.observe_revocations(parse_revocations(found, run.admission.authorizer_key_bytes))
             if duration_s is not None and now - started >= duration_s:
                 break
+        clean = True
     finally:
         await run_node.stop()
-        if endpoint is not None:
-            endpoint.close()
+        exposure.close(clean=clean)
         click.echo("stopped")
 
 

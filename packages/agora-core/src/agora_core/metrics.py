@@ -4,7 +4,9 @@ Every node owns a :class:`NodeMetrics`: a private registry (so many nodes can li
 process, as they do in tests) whose exported samples all carry ``role``, ``stage`` and
 ``instance`` labels. Components declare their metrics through it with only their own,
 low-cardinality labels. Operator nodes are scraped (:meth:`NodeMetrics.serve_http`);
-contributors behind NAT push to a gateway (:meth:`NodeMetrics.push`).
+contributors behind NAT push to a gateway (``agora_core.metrics_push``); a role's command does
+either through ``agora_core.metrics_exposure``. Every node exports its process's resident
+memory (``agora_host_rss_bytes``), read when collected.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import push_to_gateway, start_http_server
+from prometheus_client.exposition import start_http_server
 from prometheus_client.metrics_core import Metric
+
+from agora_core.host import host_rss_bytes
 
 NODE_LABELS = ("role", "stage", "instance")
 
@@ -131,6 +135,8 @@ class NodeMetrics:
         self.registry = _LabelledRegistry(self.labels)
         self._metrics: dict[str, tuple[type, tuple[str, ...], object]] = {}
         self._lock = threading.Lock()
+        rss = self.gauge("agora_host_rss_bytes", "Resident memory of this node's process on its host.")
+        rss.set_function(host_rss_bytes)
 
     def set_stage(self, stage: int | None) -> None:
         """Label every sample with ``stage`` from now on: a worker of an authorized run learns
@@ -211,8 +217,3 @@ class NodeMetrics:
         """Serve ``/metrics`` for a Prometheus scraper; ``port=0`` picks a free port."""
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         return MetricsEndpoint(server, thread)
-
-    def push(self, gateway: str, *, job: str = "agora", timeout_s: float = 10.0) -> None:
-        """Push all samples to a Prometheus push gateway, grouped by this node's labels."""
-        grouping = {k: v for k, v in self.labels.items() if v}
-        push_to_gateway(gateway, job=job, registry=self.registry, grouping_key=grouping, timeout=timeout_s)

@@ -1,7 +1,8 @@
 """Command-line options every Agora node shares, for the role CLIs built on click.
 
-``@node_options`` adds ``--listen --advertise --bootstrap --key-file --metrics-port --link
---log-format --authorizer --account --account-token`` to a command; :func:`resolve_node` turns what the user gave into
+``@node_options`` adds ``--listen --advertise --bootstrap --key-file --metrics-port
+--metrics-host --metrics-push-gateway --link --log-format --authorizer --account
+--account-token`` to a command; :func:`resolve_node` turns what the user gave into
 :class:`NodeSettings` (flags over ``AGORA_*`` variables over defaults), and :func:`fail`
 prints an expected failure as one line instead of a traceback.
 """
@@ -25,6 +26,8 @@ NODE_OPTIONS = (
     "advertise",
     "key_file",
     "metrics_port",
+    "metrics_host",
+    "metrics_push_gateway",
     "link",
     "log_format",
     "authorizer",
@@ -40,6 +43,14 @@ _OPTIONS = [
         "--key-file", help="Node key (created if missing). Default: $AGORA_KEY_FILE or ~/.agora/node.key."
     ),
     click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any)."),
+    click.option(
+        "--metrics-host", help="Address to serve metrics on (default 127.0.0.1; $AGORA_METRICS_HOST)."
+    ),
+    click.option(
+        "--metrics-push-gateway",
+        help="Push metrics to this Prometheus push gateway, host:port or URL, every "
+        "$AGORA_METRICS_PUSH_INTERVAL_S seconds (default 15) ($AGORA_METRICS_PUSH_GATEWAY).",
+    ),
     click.option("--link", help='Emulate a link, e.g. "up=100M,down=100M,latency=40ms".'),
     click.option("--log-format", type=click.Choice(["auto", "console", "json"])),
     click.option(

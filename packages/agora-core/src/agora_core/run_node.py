@@ -87,6 +87,7 @@ class RunNode:
         authorized run); ``authorizer``: the authorizer's address (it is a member too);
         ``credential``: this node's, when it has one already (a DHT seed's, a tool's)."""
         self.key = key
+        self.metrics = metrics
         self.credential: SignedCredential | None = credential
         self.security = transport_security(run, key, self.credential_value)
         addresses = self._bootstrap(run, bootstrap, authorizer)
@@ -114,6 +115,8 @@ class RunNode:
         )
         if self.security is not None:
             self.security.add_resolver(self.dht.key_for_address)  # members' keys, for dialing
+        if credential is not None:
+            self._credential_metrics(credential)
 
     def _bootstrap(self, run: RunConfig, bootstrap: Sequence[str], authorizer: str | None) -> list[str]:
         """The bootstrap addresses, their keys noted for the secure transport."""
@@ -146,11 +149,25 @@ class RunNode:
 
     def set_credential(self, credential: SignedCredential) -> None:
         """This node's fresh credential (admitted, or refreshed): present it from now on."""
+        self._credential_metrics(credential)
         self.credential = credential
         if self.security is not None:
             self.security.credential_changed()
         if self.dht.table is not None:  # a member already: its claim carries the new one
             self.dht.credential_changed()
+
+    def _credential_metrics(self, credential: SignedCredential) -> None:
+        """Export when ``credential`` expires. Declared with the first credential: a node that
+        holds none (an open run's, one still queued) exports no expiry rather than a 0 that
+        reads as expired in 1970."""
+        expiry = self.metrics.gauge(
+            "agora_credential_expiry_timestamp_seconds", "When this node's credential expires (Unix time)."
+        )
+        expiry.set(credential.credential.expires)
+        left = self.metrics.gauge(
+            "agora_credential_remaining_seconds", "Seconds until this node's credential expires."
+        )
+        left.set_function(lambda: self.credential.credential.remaining_s() if self.credential else 0.0)
 
     def observe_revocations(self, revocations: Revocations | None) -> None:
         """A revocation list just read or published: its nodes' connections are dropped."""

@@ -14,6 +14,7 @@ from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
+from agora_core.metrics_exposure import MetricsExposure
 from agora_core.node_cli import (
     fail,
     launch_role,
@@ -51,7 +52,8 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
     when the credential was lost: the trainer stops at once, its samples in flight abandoned
     to a later run)."""
     loop = asyncio.get_running_loop()
-    endpoint = trainer.metrics.serve_http(node.metrics_port) if node.metrics_port is not None else None
+    exposure = MetricsExposure.start(trainer.metrics, node, run=trainer.run.name)
+    clean = False  # only a finished or stopped run deletes the trainer's gateway group
     stops = 0
     starting = loop.create_task(_start(trainer))
     training: asyncio.Task | None = None
@@ -77,6 +79,8 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
     click.echo(f"agora-trainer {__version__}: run {trainer.run.name!r}, {len(trainer.lanes)} lanes")
     click.echo(f"  node id    {trainer.key.node_id}")
     _echo(f"  shards     {trainer.cursor.total} samples, {trainer.cursor.done} done before")
+    for line in exposure.describe():
+        _echo(line)
     if isinstance(trainer.admission, NodeAdmission):
         trainer.admission.on_lost.append(on_lost)
     try:
@@ -84,6 +88,7 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
             await starting
         if starting.cancelled() and not lost:
             click.echo("stopped before training")
+            clean = True
             return 0
         if not lost:
             training = loop.create_task(trainer.train())
@@ -98,12 +103,10 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
         click.echo(
             f"done: {trainer.counters.completed} samples this run, {trainer.cursor.done} of {trainer.cursor.total} overall"
         )
+        clean = True
     finally:
         await trainer.close()
-        if endpoint is not None:
-            endpoint.close()
-        if node.metrics_push_gateway:
-            trainer.metrics.push(node.metrics_push_gateway)
+        exposure.close(clean=clean)
     return 0
 
 

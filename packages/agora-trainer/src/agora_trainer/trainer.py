@@ -149,6 +149,8 @@ class Trainer:
         m = self.metrics
         self._m_loss = m.gauge("agora_trainer_loss", "Loss, exponential moving average.")
         self._m_samples = m.counter("agora_trainer_samples_total", "Samples, by outcome.", ["outcome"])
+        for outcome in ("completed", "abandoned", "requeued"):  # exported at 0 from the start
+            self._m_samples.labels(outcome=outcome)
         self._m_tokens = m.counter("agora_trainer_tokens_total", "Tokens trained on.")
         self._m_busy = m.gauge("agora_trainer_lanes_busy", "Lanes with a sample in flight.")
         self._m_bans = m.gauge("agora_trainer_bans", "Workers banned after a failed call, so far.")

@@ -16,6 +16,7 @@ from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.metrics_exposure import MetricsExposure
 from agora_core.node_cli import (
     fail,
     launch_role,
@@ -100,40 +101,42 @@ async def _main(
 
 async def _serve(worker: Worker, settings: NodeSettings, stop: asyncio.Event) -> int:
     """Start (join, download, wait for admission), serve until ``stop`` is set or a
-    self-termination rule trips, then stop; the exit code."""
+    self-termination rule trips, then stop; the exit code. Metrics are served and pushed
+    meanwhile (``settings``); a clean stop deletes the worker's gateway group, a
+    self-termination leaves its last push there (``agora_worker_terminated`` says why)."""
     log = get_logger("worker.cli")
-    endpoint = worker.metrics.serve_http(settings.metrics_port) if settings.metrics_port is not None else None
+    exposure = MetricsExposure.start(worker.metrics, settings, run=worker.run.name)
     loop = asyncio.get_running_loop()
     starting = loop.create_task(worker.start())
     stopping = loop.create_task(stop.wait())
     waits = [stopping, loop.create_task(worker.watchdog.wait())]
+    clean = False  # an error on the way leaves the group too
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():  # stopped while queued or downloading
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
+            clean = True
             return 0
         address = starting.result()  # AdmissionRefused, or a failed join, ends here
-        _print_started(worker, address, endpoint)
+        _print_started(worker, address, exposure)
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         verdict = worker.watchdog.verdict
         if verdict is None:
             log.info("shutting_down", grace_s=worker.settings.shutdown_grace_s)
         else:  # it already withdrew and published why; leaving and stopping remain
             _echo(f"terminated: {verdict.reason} (exit code {verdict.exit_code}): {verdict.detail}")
+        clean = verdict is None
     finally:
         for task in waits:
             task.cancel()
         await worker.stop()
-        if endpoint is not None:
-            endpoint.close()
-        if settings.metrics_push_gateway:
-            worker.metrics.push(settings.metrics_push_gateway)
+        exposure.close(clean=clean)
         click.echo("stopped")
     return worker.watchdog.exit_code
 
 
-def _print_started(worker: Worker, address: str, endpoint) -> None:
+def _print_started(worker: Worker, address: str, exposure: MetricsExposure) -> None:
     click.echo(f"  serving    {address}")
     click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
     joined = worker.joined
@@ -146,8 +149,8 @@ def _print_started(worker: Worker, address: str, endpoint) -> None:
         click.echo(
             f"  credential {credential['serial']}, valid {left:.0f} s, refreshed at two thirds of its life"
         )
-    if endpoint is not None:
-        click.echo(f"  metrics    http://127.0.0.1:{endpoint.port}/metrics")
+    for line in exposure.describe():
+        click.echo(line)
     writer = worker.checkpoint_writer
     if writer is not None:
         every, keep = worker.run.checkpoint.every_steps, worker.run.checkpoint.keep

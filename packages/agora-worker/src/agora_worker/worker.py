@@ -32,6 +32,7 @@ from agora_worker.averaging import Averager
 from agora_worker.backend import StageBackend, pick_device
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
+from agora_worker.device_metrics import export_device_memory
 from agora_worker.info import worker_info
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
@@ -74,6 +75,7 @@ class Worker:
         self.admission = admission or OpenAdmission()
         self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
         self.device = pick_device(self.settings.device)
+        export_device_memory(self.metrics, self.device)  # a CUDA device's only
         self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
         self.role: StageRole = self.module.role
         self.optimizer = HostOptimizer(

@@ -18,6 +18,7 @@ from agora_core.config.admission import AdmissionConfig
 from agora_core.config.loader import build, coerce, field_types, require
 from agora_core.errors import ConfigError
 from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.metrics_push import GatewayAddressError, gateway_url
 
 ENV_PREFIX = "AGORA_"
 S = TypeVar("S")
@@ -52,7 +53,11 @@ class NodeSettings:
     advertise: str | None = None  # address others should dial, when it differs from listen
     key_file: str = dataclasses.field(default_factory=default_key_file)
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free)
-    metrics_push_gateway: str | None = None  # or push to this gateway (host:port)
+    # ...on this address: loopback unless an operator opens it (0.0.0.0: every interface)
+    metrics_host: str = "127.0.0.1"
+    # push to this Prometheus push gateway (host:port or http(s)://host:port) periodically
+    metrics_push_gateway: str | None = None
+    metrics_push_interval_s: float = 15.0  # between pushes (Prometheus's usual scrape interval)
     log_format: Literal["auto", "console", "json"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     link: str | None = None  # emulated link, e.g. "up=200M,down=200M,latency=50ms,jitter=5ms"
@@ -70,6 +75,13 @@ class NodeSettings:
             "metrics_port",
             "must lie in [0, 65535]",
         )
+        require(bool(self.metrics_host.strip()), "metrics_host", "must not be empty")
+        if self.metrics_push_gateway is not None:
+            try:
+                gateway_url(self.metrics_push_gateway)
+            except GatewayAddressError as exc:
+                require(False, "metrics_push_gateway", str(exc))
+        require(self.metrics_push_interval_s > 0, "metrics_push_interval_s", "must be > 0")
         require(self.authorizer is None or bool(self.authorizer.strip()), "authorizer", "must not be empty")
         if self.link is not None:
             try:

@@ -106,7 +106,7 @@ class Joiner:
         self.progress: DownloadProgress | None = None
         self._m_done = metrics.gauge("agora_join_download_bytes", "State bytes downloaded so far.")
         self._m_total = metrics.gauge("agora_join_download_total_bytes", "State bytes to download.")
-        self._m_rate = metrics.gauge("agora_join_download_rate_bytes_per_s", "State download rate.")
+        self._m_rate = metrics.gauge("agora_join_download_bytes_per_second", "State download rate.")
 
     async def look(self) -> StageView:
         """The stage's live replicas and furthest step, from the DHT."""

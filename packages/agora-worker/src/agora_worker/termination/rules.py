@@ -9,14 +9,12 @@ never built. Each reason exits the process with its own code (``EXIT_CODES``).
 from __future__ import annotations
 
 import collections
-import os
-import resource
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE
 from agora_core.contract import DepartureReason
+from agora_core.host import host_rss_bytes
 from agora_worker.averaging.averager import RoundReport
 
 MiB = 1 << 20
@@ -149,16 +147,6 @@ class NoProgress(Rule):
             f"held samples for {self.value:.1f} s while the stage stayed at step {self._seen}"
             f" (limit {self.threshold:g} s)"
         )
-
-
-def host_rss_bytes() -> int:
-    """This process's resident set size now (Linux: /proc/self/statm), else its peak."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 class HostMemory(Rule):

@@ -74,6 +74,15 @@ class Watchdog:
         self._m_terminated = metrics.counter(
             "agora_worker_terminations_total", "Self-terminations, by reason.", ["reason"]
         )
+        # Enum-style, like agora_worker_phase: every reason at 0 from the start, the tripped
+        # one at 1 in the last push a self-terminated worker makes (its gateway group stays).
+        self._m_reason = metrics.gauge(
+            "agora_worker_terminated",
+            "1 for the reason this worker terminated itself, if it did.",
+            ["reason"],
+        )
+        for reason in DepartureReason:
+            self._m_reason.labels(reason=reason.value).set(0.0)
 
     @property
     def exit_code(self) -> int:
@@ -117,6 +126,7 @@ class Watchdog:
         self.verdict = verdict
         step = self._step()
         self._m_terminated.labels(reason=verdict.reason).inc()
+        self._m_reason.labels(reason=verdict.reason).set(1.0)
         log.warning(
             "worker_terminated",
             reason=verdict.reason,

@@ -1,7 +1,7 @@
 """One look at a run: everything its nodes publish in the DHT, read at once, checked.
 
-:func:`read_snapshot` reads every key of the run in one ``get_many`` (one request per
-replica, whatever the number of stages), keeps the records whose writer checks out
+:func:`read_snapshot` reads every key of the run at once (one ``get`` per key, in parallel),
+keeps the records whose writer checks out
 (:mod:`.records`), and notes who is a live member of the DHT: an entry a crashed node
 published outlives it by up to the record TTL, its membership only until its failed probes
 mark it dead, so a worker counts as live only while it is a member.
@@ -9,6 +9,7 @@ mark it dead, so a worker counts as live only while it is a member.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -79,51 +80,59 @@ def _averaging(key: str, values: dict[str, DhtValue], flags: list[Flag]) -> list
     return reports
 
 
-async def read_snapshot(dht: DhtNode, run: RunConfig) -> Snapshot:
-    """Everything run ``run`` publishes, read through ``dht`` (DhtError if it cannot read)."""
-    name, stages = run.name, run.model.n_stages
+def run_keys(run: RunConfig) -> dict[str, str]:
+    """Every DHT key a run publishes under, by what it holds (``workers/2``, ``trainers``, ...)."""
+    name = run.name
     keys = {"trainers": trainer_progress_key(name)}
-    for stage in range(stages):
+    for stage in range(run.model.n_stages):
         keys[f"workers/{stage}"] = stage_workers_key(name, stage)
         keys[f"progress/{stage}"] = stage_progress_key(name, stage)
         keys[f"averaging/{stage}"] = averaging_summary_key(name, stage)
         keys[f"departures/{stage}"] = stage_departures_key(name, stage)
-    snapshot = Snapshot(t=time.time())
-    found = await dht.get_many(list(keys.values()))
-    snapshot.members = members_of(dht)
-    live = snapshot.members.keys()
+    return keys
+
+
+def parse_snapshot(
+    run: RunConfig, t: float, found: dict[str, dict[str, DhtValue]], members: dict[str, MemberInfo]
+) -> Snapshot:
+    """The snapshot in ``found`` (what ``get_many`` of :func:`run_keys` returned) with the
+    live ``members``: workers and progress of live members only, every record checked."""
+    keys = run_keys(run)
+    snapshot = Snapshot(t=t, members=members)
     flags = snapshot.flags
-    for stage in range(stages):
-        announced, bad = checked_entries(
-            keys[f"workers/{stage}"], found[keys[f"workers/{stage}"]], WorkerAnnouncement.from_value
-        )
-        flags += bad
+
+    def entries(what: str, parse):
+        accepted, bad = checked_entries(keys[what], found.get(keys[what], {}), parse)
+        flags.extend(bad)
+        return [record for record, _ in accepted]
+
+    for stage in range(run.model.n_stages):
         # a worker announces the stage whose key it writes under; another stage is a lie
-        for announcement, _ in announced:
+        for announcement in entries(f"workers/{stage}", WorkerAnnouncement.from_value):
             if announcement.stage != stage:
-                flags.append(
-                    Flag(
-                        announcement.node_id,
-                        "wrong_stage",
-                        f"announced stage {announcement.stage} under stage {stage}",
-                    )
-                )
-            elif announcement.node_id in live:
+                detail = f"announced stage {announcement.stage} under stage {stage}"
+                flags.append(Flag(announcement.node_id, "wrong_stage", detail))
+            elif announcement.node_id in members:
                 snapshot.workers.append(announcement)
-        reports, bad = checked_entries(
-            keys[f"progress/{stage}"], found[keys[f"progress/{stage}"]], StageProgress.from_value
-        )
-        flags += bad
-        snapshot.progress[stage] = [report for report, _ in reports if report.node_id in live]
-        snapshot.averaging[stage] = _averaging(
-            keys[f"averaging/{stage}"], found[keys[f"averaging/{stage}"]], flags
-        )
-        departed, bad = checked_entries(
-            keys[f"departures/{stage}"], found[keys[f"departures/{stage}"]], WorkerDeparture.from_value
-        )
-        flags += bad
-        snapshot.departures += [departure for departure, _ in departed]
-    trainers, bad = checked_entries(keys["trainers"], found[keys["trainers"]], TrainerProgress.from_value)
-    flags += bad
-    snapshot.trainers = [report for report, _ in trainers]
+        progress = entries(f"progress/{stage}", StageProgress.from_value)
+        snapshot.progress[stage] = [report for report in progress if report.node_id in members]
+        key = keys[f"averaging/{stage}"]
+        snapshot.averaging[stage] = _averaging(key, found.get(key, {}), flags)
+        snapshot.departures += entries(f"departures/{stage}", WorkerDeparture.from_value)
+    snapshot.trainers = entries("trainers", TrainerProgress.from_value)
     return snapshot
+
+
+async def read_keys(dht: DhtNode, keys: list[str]) -> dict[str, dict[str, DhtValue]]:
+    """Every key's entries, one ``get`` per key, all at once. Not one ``get_many``: a replica
+    answers that in one message, whose header (values travel in it) a large run's keys
+    together outgrow (a thousand workers' announcements and reports are ~400 KB)."""
+    values = await asyncio.gather(*(dht.get(key) for key in keys))
+    return dict(zip(keys, values, strict=True))
+
+
+async def read_snapshot(dht: DhtNode, run: RunConfig) -> Snapshot:
+    """Everything run ``run`` publishes, read through ``dht`` (DhtError if it cannot read)."""
+    t = time.time()
+    found = await read_keys(dht, list(run_keys(run).values()))
+    return parse_snapshot(run, t, found, members_of(dht))

@@ -142,7 +142,7 @@ async def main_async(args) -> None:
             if backend == "sqlite":
                 await measure(report, backend, lambda: None, directory, args)
             elif backend == "postgresql":
-                from agora_authorizer.testing_postgres import create_database, postgres_server
+                from agora_core.testing_postgres import create_database, postgres_server
 
                 with postgres_server() as server:
                     await measure(report, backend, lambda: create_database(server), directory, args)

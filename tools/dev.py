@@ -120,16 +120,23 @@ def _postgres_installed() -> bool:
     return shutil.which("initdb") is not None or bool(glob.glob(f"{POSTGRES_BIN_GLOB}/initdb"))
 
 
-def _apt_install(packages: list[str], needed_for: str) -> bool:
-    """As root, ``apt-get install`` ``packages`` (what ``needed_for`` needs); otherwise say
-    what to install. True if apt succeeded."""
-    names = " ".join(packages)
+_apt_updated: list[bool] = []
+
+
+def _apt_install(packages: tuple[str, ...], purpose: str) -> bool:
+    """As root, ``apt-get install`` ``packages`` (which ``purpose`` needs); otherwise say what
+    to install. False if that did not work."""
     if getattr(os, "geteuid", lambda: -1)() != 0 or shutil.which("apt-get") is None:
-        _say(f"{needed_for} need {names}: Debian/Ubuntu: sudo apt-get install -y {names}; then rerun")
+        _say(f"{purpose}: install {' and '.join(packages)}")
+        _say(f"  Debian/Ubuntu: sudo apt-get install -y {' '.join(packages)}; then rerun")
         return False
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}  # no prompts from the package scripts
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
-        _say(f"missing for {needed_for}: {' '.join(command)}")
+    commands = [["apt-get", "install", "-y", *packages]]
+    if not _apt_updated:  # once per run, however many packages are missing
+        commands.insert(0, ["apt-get", "update"])
+        _apt_updated.append(True)
+    for command in commands:
+        _say(f"{purpose}: {' '.join(command)}")
         if subprocess.run(command, env=env).returncode != 0:
             _say(f"failed: {' '.join(command)}")
             return False
@@ -137,11 +144,30 @@ def _apt_install(packages: list[str], needed_for: str) -> bool:
 
 
 def ensure_postgres() -> bool:
-    """The authorizer's store is tested on a real PostgreSQL server (initdb, pg_ctl): install
-    the server with apt when it is missing. False if it is not there."""
+    """The authorizer's store and the monitor's database are tested on a real PostgreSQL
+    server (initdb, pg_ctl): installed with apt when missing. False if it is not there."""
     if _postgres_installed():
         return True
-    return _apt_install(["postgresql"], "the authorizer's store tests") and _postgres_installed()
+    return _apt_install(("postgresql",), "the tests need a PostgreSQL server") and _postgres_installed()
+
+
+BROWSER_PACKAGES = ("chromium", "chromium-driver")  # Debian's: the dashboard test's headless browser
+BROWSER_FILES = ("/usr/bin/chromium", "/usr/bin/chromedriver")
+
+
+def _browser_installed() -> bool:
+    return all(Path(path).exists() for path in BROWSER_FILES)
+
+
+def ensure_browser() -> bool:
+    """The monitor's dashboard is tested in a real headless Chromium (through Selenium):
+    Debian's chromium and chromium-driver, installed with apt when missing. False if they are
+    not there."""
+    if _browser_installed():
+        return True
+    return (
+        _apt_install(BROWSER_PACKAGES, "the dashboard test needs a headless browser") and _browser_installed()
+    )
 
 
 # What Debian's packages install on PATH (dpkg -L prometheus prometheus-pushgateway): the
@@ -155,13 +181,13 @@ def ensure_prometheus_tools() -> bool:
     missing = sorted({package for tool, package in PROMETHEUS_TOOLS.items() if shutil.which(tool) is None})
     if not missing:
         return True
-    return _apt_install(missing, "the metrics tests (promtool, a push gateway)") and all(
+    return _apt_install(tuple(missing), "the metrics tests need promtool and a push gateway") and all(
         shutil.which(tool) is not None for tool in PROMETHEUS_TOOLS
     )
 
 
 def run_tests(extra: list[str]) -> int:
-    if not ensure_postgres() or not ensure_prometheus_tools():
+    if not ensure_postgres() or not ensure_prometheus_tools() or not ensure_browser():
         return 1
     _say("linting (ruff check, ruff format --check)")
     for lint in (["check", "."], ["format", "--check", "."]):

@@ -8,12 +8,17 @@
     python tools/swarm.py add-worker STAGE [--run-dir DIR]     # start one more worker for STAGE
     python tools/swarm.py restart-worker NAME [--run-dir DIR]  # start a killed worker again, --resume
     python tools/swarm.py down [--run-dir DIR]                 # stop a swarm started elsewhere
+    python tools/swarm.py dashboard [--run-dir DIR]            # the running monitor's URL
 
 ``up`` makes the data shards if needed (from the Python standard library's sources), starts
 everything on 127.0.0.1 with one log file per process under the run directory, prints a
 status line every few seconds (step per stage, loss, tokens/s, workers per stage, averaging
 success), and stops everything when the trainers are done, after --duration, or on Ctrl-C.
 The processes of a swarm are listed in RUN_DIR/swarm.json, which the other commands read.
+
+``up`` also starts the health monitor (``agora-monitor serve``, its history in
+RUN_DIR/monitor.db) and prints its dashboard's URL: loss, throughput, workers per stage, every
+node, and the alerts firing (a killed worker shows there within one --monitor-period).
 
 A swarm is authorized by default, like a public run: ``up`` creates an authorizer key, writes
 RUN_DIR/run.toml (the config with ``[admission] mode = "authorized"`` and that key; every
@@ -52,8 +57,10 @@ from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a s
     SwarmFile,
     alive,
     kill_last_worker,
+    monitor_db,
     restart_worker,
     start_authorizer,
+    start_monitor,
     start_seed,
     start_trainer,
     start_worker,
@@ -172,6 +179,15 @@ run_dir_option = click.option(
     is_flag=True,
     help="No authorizer: an open run, each worker told its stage (the config's [admission] mode stays).",
 )
+@click.option(
+    "--monitor-http",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="HOST:PORT of the monitor's dashboard (port 0: a free one; the URL is printed).",
+)
+@click.option(
+    "--monitor-period", type=float, default=5.0, show_default=True, help="Seconds between monitor snapshots."
+)
 @run_dir_option
 def up(
     config,
@@ -186,6 +202,8 @@ def up(
     trainer_args,
     export,
     open_run,
+    monitor_http,
+    monitor_period,
     run_dir,
 ) -> None:
     """Start a swarm and watch it train until it is done, --duration passes, or Ctrl-C."""
@@ -206,6 +224,8 @@ def up(
     shutil.rmtree(run_dir / "data", ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     (run_dir / "model.safetensors").unlink(missing_ok=True)
+    for old_db in run_dir.glob("monitor.db*"):  # the last run's history (and its -wal, -shm)
+        old_db.unlink()
     for old_file in [*run_dir.glob("logs/*.log"), *run_dir.glob("*.losses.jsonl")]:
         old_file.unlink()
     (run_dir / "data").mkdir()
@@ -228,6 +248,8 @@ def up(
         if swarm.authorized:
             start_authorizer(swarm)
             click.echo(f"  authorizer {swarm.authorizer_address}   account swarm, database {db_url(run_dir)}")
+        dashboard_url = start_monitor(swarm, http=monitor_http, period_s=monitor_period)
+        click.echo(f"  dashboard  {dashboard_url}   monitor database {monitor_db(swarm)}")
         workers = [  # an authorized swarm's are placed by the authorizer, the same number per stage
             start_worker(swarm, None if swarm.authorized else stage, worker_args)
             for stage in range(run.model.n_stages)
@@ -332,6 +354,17 @@ def status(run_dir) -> None:
     swarm = SwarmFile.load(run_dir)
     for line in describe_swarm(swarm):
         click.echo(line)
+
+
+@main.command()
+@run_dir_option
+def dashboard(run_dir) -> None:
+    """Print the URL of the running swarm's dashboard (its health monitor)."""
+    swarm = SwarmFile.load(run_dir)
+    monitor = next((m for m in swarm.members if m.role == "monitor" and m.alive and alive(m.pid)), None)
+    if monitor is None:
+        raise click.ClickException(f"no monitor is running in {run_dir}")
+    click.echo(monitor.address)
 
 
 @main.command()

@@ -31,7 +31,8 @@ STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_FORMAT": "console"}
 SERVING_PREFIX = "  serving    "  # a node's startup line that carries its address
 STAGE_PREFIX = "  stage      "  # a worker's startup line that names its stage (placed or given)
-STOP_ORDER = ("trainer", "worker", "authorizer", "dht")  # who stops first
+STOP_ORDER = ("trainer", "worker", "monitor", "authorizer", "dht")  # who stops first
+DASHBOARD_PREFIX = "  dashboard  "  # the monitor's startup line that carries its URL
 
 
 @dataclass
@@ -157,6 +158,34 @@ def start_authorizer(swarm: SwarmFile) -> subprocess.Popen:
     member.address = swarm.authorizer_address = wait_serving(member, proc)
     swarm.save()
     return proc
+
+
+def monitor_db(swarm: SwarmFile) -> Path:
+    """The monitor's database: SQLite, in the run directory."""
+    return Path(swarm.run_dir) / "monitor.db"
+
+
+def start_monitor(swarm: SwarmFile, *, http: str = "127.0.0.1:0", period_s: float = 5.0) -> str:
+    """Start the health monitor (after the seed, and the authorizer in an authorized swarm:
+    it joins the DHT with a monitor credential from it) and record it; returns the
+    dashboard's URL, which is also the member's ``address`` in swarm.json."""
+    run_dir = Path(swarm.run_dir)
+    log = run_dir / "logs" / "monitor.log"
+    key_path = run_dir / "keys" / "monitor.key"
+    key = NodeKey.load_or_create(key_path)
+    args = ["-m", "agora_monitor", "serve", "--config", swarm.config, "--bootstrap", swarm.seed_address]
+    args += ["--db", str(monitor_db(swarm)), "--http", http, "--key-file", str(key_path)]
+    args += ["--period-s", str(period_s), "--log-format", "console"]
+    if swarm.authorized:
+        credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "monitor")
+        args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
+    proc = spawn(args, log)
+    member = Member("monitor", "monitor", proc.pid, str(log), node_id=key.node_id)
+    swarm.members.append(member)
+    swarm.save()
+    member.address = wait_for_line(proc, log, DASHBOARD_PREFIX, STARTUP_TIMEOUT_S)
+    swarm.save()
+    return member.address
 
 
 def checkpoint_dir(swarm: SwarmFile, name: str) -> Path:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from agora_authorizer.store import Store
-from agora_authorizer.testing_postgres import create_database, postgres_server
+from agora_core.testing_postgres import create_database, postgres_server
 
 
 @pytest.fixture(scope="session")

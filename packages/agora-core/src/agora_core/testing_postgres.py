@@ -1,5 +1,6 @@
-"""A real, throwaway PostgreSQL server for tests: the PostgreSQL store is tested against the
-server it will run on, not a mock.
+"""A real, throwaway PostgreSQL server for tests: the PostgreSQL backends (the authorizer's
+store, the monitor's history) are tested against the server they will run on, not a mock.
+It needs psycopg, a dev requirement (not a dependency of agora-core).
 
 :func:`postgres_server` runs ``initdb`` in a temporary directory and starts the server on a
 free port of 127.0.0.1 (its unix socket inside that directory, trust authentication, fsync

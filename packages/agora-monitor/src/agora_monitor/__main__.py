@@ -1,0 +1,3 @@
+from agora_monitor.cli import main
+
+main()

@@ -1,0 +1,91 @@
+"""The alerts a run has firing now, derived from what the database holds.
+
+Each rule reads the latest state (the ``stages`` and ``nodes`` rows, the last snapshot, the
+flags) and judges it at the run's own clock: the time of its last snapshot, so a run whose
+monitor stopped shows what was firing when it stopped, plus ``monitor_stale`` saying so.
+
+| name | fires when |
+|---|---|
+| ``stage_stalled`` | a stage's step has not moved for ``stall_after_s`` |
+| ``stage_few_workers`` | a stage has fewer than ``min_workers`` serving workers |
+| ``worker_lost`` | a worker left the DHT without a departure record (within ``alert_window_s``) |
+| ``node_terminated`` | a worker terminated itself (its departure record, within the window) |
+| ``loss_nonfinite`` | a live trainer reports a NaN or infinite loss |
+| ``samples_mismatch`` | a stage's samples and the trainers' disagree (see :mod:`.ingest`) |
+| ``record_flagged`` | a record was distrusted (bad writer, impossible rate; within the window) |
+| ``monitor_stale`` | no snapshot for three periods |
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from agora_monitor import schema
+from agora_monitor.settings import MonitorSettings
+
+STALE_PERIODS = 3  # snapshots missed before the monitor itself is reported stale
+
+
+def _alert(name: str, severity: str, subject: str, message: str, since: float) -> dict:
+    return {"name": name, "severity": severity, "subject": subject, "message": message, "since": since}
+
+
+def current_alerts(
+    connection: Connection, run: str, settings: MonitorSettings, *, now: float | None = None
+) -> list[dict]:
+    """Every alert firing for ``run``, most severe first."""
+    last = connection.execute(select(schema.runs.c.last_t).where(schema.runs.c.run == run)).scalar()
+    if last is None:
+        return []
+    wall = time.time() if now is None else now
+    at = last  # the run's clock: its last snapshot
+    alerts = []
+    if wall - last > STALE_PERIODS * settings.period_s:
+        alerts.append(_alert("monitor_stale", "warning", run, f"no snapshot for {wall - last:.0f} s", last))
+    st = schema.stages
+    for row in connection.execute(select(st).where(st.c.run == run).order_by(st.c.stage)).mappings():
+        subject = f"stage {row['stage']}"
+        idle = at - row["step_changed_t"]
+        if idle >= settings.stall_after_s:
+            alerts.append(_alert("stage_stalled", "critical", subject,
+                                 f"no step for {idle:.0f} s (at step {row['step']})", row["step_changed_t"]))  # fmt: skip
+        if row["workers_serving"] < settings.min_workers:
+            alerts.append(_alert("stage_few_workers", "critical" if row["workers_serving"] == 0 else "warning",
+                                 subject, f"{row['workers_serving']} serving workers (< {settings.min_workers})", at))  # fmt: skip
+        if not row["reconciled"]:
+            alerts.append(_alert("samples_mismatch", "warning", subject,
+                                 f"stage samples differ from the trainers' by {row['samples_gap']}", at))  # fmt: skip
+    n = schema.nodes
+    window = at - settings.alert_window_s
+    lost = select(n).where(
+        n.c.run == run, n.c.role == "worker", n.c.lost_t >= window, n.c.terminated_t.is_(None)
+    )
+    for row in connection.execute(lost).mappings():
+        alerts.append(_alert("worker_lost", "warning", row["node_id"],
+                             f"worker of stage {row['stage']} left the DHT without a departure record", row["lost_t"]))  # fmt: skip
+    terminated = select(n).where(n.c.run == run, n.c.terminated_t >= window)
+    for row in connection.execute(terminated).mappings():
+        alerts.append(_alert("node_terminated", "warning", row["node_id"],
+                             f"terminated itself: {row['termination_reason']} {row['termination_detail'] or ''}".strip(),
+                             row["terminated_t"]))  # fmt: skip
+    s = schema.snapshots
+    latest = connection.execute(
+        select(s.c.nonfinite_losses, s.c.t).where(s.c.run == run).order_by(s.c.t.desc()).limit(1)
+    ).first()
+    if latest is not None and latest[0] > 0:
+        alerts.append(
+            _alert(
+                "loss_nonfinite", "critical", run, f"{latest[0]} trainers report a non-finite loss", latest[1]
+            )
+        )
+    f = schema.flags
+    flagged = select(f).where(f.c.run == run, f.c.last_t >= window, f.c.kind != "samples_mismatch")
+    for row in connection.execute(flagged).mappings():
+        alerts.append(_alert("record_flagged", "warning", row["subject"],
+                             f"{row['kind']} x{row['count']}: {row['detail']}", row["first_t"]))  # fmt: skip
+    order = {"critical": 0, "warning": 1}
+    alerts.sort(key=lambda a: (order[a["severity"]], a["name"], a["subject"]))
+    return alerts

@@ -1,0 +1,78 @@
+"""Reading a run from a real DHT (three in-process members on 127.0.0.1): what its nodes
+publish arrives in the snapshot, and a record written for another node is flagged, not counted."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+
+from agora_core.config import load_run_config
+from agora_core.dht.owned import OwnedEntry
+from agora_core.identity import NodeKey
+from agora_core.metrics import NodeMetrics
+from agora_core.run_node import RunNode
+from agora_core.schema import StageProgress, stage_progress_key, stage_workers_key, trainer_progress_key
+from agora_core.testing import wait_until_async
+from agora_monitor.ingest import Ingest
+from agora_monitor.ledger import Ledger
+from agora_monitor.settings import MonitorSettings
+from agora_monitor.snapshot import read_snapshot
+from agora_monitor.testing import trainer, worker
+
+
+@pytest.fixture
+def run(request):
+    return load_run_config(request.config.rootpath / "examples" / "tiny.toml")  # an open run
+
+
+@contextlib.asynccontextmanager
+async def members(run, count: int):
+    nodes: list[RunNode] = []
+    try:
+        for _ in range(count):
+            bootstrap = [nodes[0].dht.address] if nodes else []
+            node = RunNode(
+                run=run, key=NodeKey.generate(), metrics=NodeMetrics(role="test"), bootstrap=bootstrap
+            )
+            nodes.append(node)
+            await node.start()
+        await wait_until_async(
+            lambda: all(len(n.dht.members()) == count for n in nodes), timeout_s=10, what="membership"
+        )
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            await node.stop()
+
+
+async def publish(node: RunNode, key: str, value: dict) -> None:
+    await OwnedEntry(node.dht, node.key, key).publish(value, ttl_s=30.0)
+
+
+async def test_a_record_written_for_another_node_is_flagged_and_left_out(run):
+    async with members(run, 3) as (monitor, honest, liar):
+        mine = worker("x", 1)
+        honest_worker = type(mine)(**{**mine.to_value(), "node_id": honest.key.node_id})
+        await publish(honest, stage_workers_key(run.name, 1), honest_worker.to_value())
+        report = StageProgress(node_id=honest.key.node_id, step=2, samples=5)
+        await publish(honest, stage_progress_key(run.name, 1), report.to_value())
+        # the liar reports huge progress for the honest worker, under its own signed subkey
+        forged = StageProgress(node_id=honest.key.node_id, step=900, samples=10_000)
+        await publish(liar, stage_progress_key(run.name, 1), forged.to_value())
+        progress = trainer("t", 40)
+        own = type(progress)(**{**progress.to_value(), "node_id": liar.key.node_id})
+        await publish(liar, trainer_progress_key(run.name), own.to_value())
+
+        snap = await read_snapshot(monitor.dht, run)
+
+    assert [w.node_id for w in snap.workers] == [honest.key.node_id]
+    assert snap.progress[1] == [report]  # the forged report is not among them
+    assert [t.node_id for t in snap.trainers] == [liar.key.node_id]  # its own report is fine
+    assert [(f.subject, f.kind) for f in snap.flags] == [(honest.key.node_id, "node_id_mismatch")]
+    assert liar.key.node_id[:12] in snap.flags[0].detail
+    rows = Ingest(run, MonitorSettings(), Ledger(), {}).apply(snap)
+    assert rows.snapshot["samples"] == 40 and rows.snapshot["workers"] == 1
+    assert {r["node_id"]: r["role"] for r in rows.nodes}[honest.key.node_id] == "worker"
+    assert abs(snap.t - time.time()) < 60

@@ -1,0 +1,62 @@
+"""The monitor's database on both backends: several runs side by side, each restored whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from agora_core.config import load_run_config
+from agora_monitor import queries
+from agora_monitor.errors import MonitorDatabaseError
+from agora_monitor.ingest import Ingest
+from agora_monitor.settings import MonitorSettings
+from agora_monitor.store import MonitorStore
+from agora_monitor.testing import snapshot, trainer, worker
+
+T0 = 1_800_000_000.0
+
+
+def test_two_runs_share_a_database_and_a_restarted_monitor_restores_each(db_url, request):
+    tiny = load_run_config(request.config.rootpath / "examples" / "tiny.toml")
+    other = dataclasses.replace(tiny, name="other")
+    with MonitorStore(db_url) as store:
+        for run, samples in ((tiny, 64), (other, 640)):
+            store.ensure_run(run, T0)
+            ingest = Ingest(run, MonitorSettings(), *store.restore(run.name))
+            w = worker(f"{run.name}-w", 0)
+            for i in range(3):  # the worker at step i with 5 samples each time
+                snap = snapshot(
+                    T0 + i,
+                    workers=[w],
+                    progress={f"{run.name}-w": (i, 5)},
+                    trainers=[trainer("t", samples + i)],
+                )
+                store.write(ingest.apply(snap))
+    with MonitorStore(db_url) as store:  # a new process: what the last one left
+        with store.transaction() as connection:
+            assert sorted(r["run"] for r in queries.runs(connection)) == ["other", "tiny"]
+            assert queries.overview(connection, "other")["latest"]["samples"] == 642
+            assert len(queries.series(connection, "tiny")["t"]) == 3
+        ledger, nodes = store.restore("tiny")
+        assert (
+            ledger.samples == 66
+            and ledger.stages[0].step == 2
+            and ledger.stages[0].at_step == {2: {worker("tiny-w", 0).node_id: 5}}
+        )
+        assert {row["role"] for row in nodes.values()} == {"worker", "trainer"}
+        assert store.restore("nothing")[0].samples == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("mysql://db/x", "unsupported database"),
+        ("sqlite://", "in-memory"),
+        ("monitor", "not a database URL"),
+        ("", "no database"),
+    ],
+)
+def test_a_bad_database_url_is_refused_naming_the_forms_it_takes(url, why):
+    with pytest.raises(MonitorDatabaseError, match=why):
+        MonitorStore(url)

@@ -119,6 +119,7 @@ class Swarm:
             LANES,
             "--replicas",
             "2",
+            "--no-monitor",  # tests/test_monitor_dashboard.py checks the monitor in a swarm
             "--run-dir",
             str(self.run_dir),
         ]

@@ -180,6 +180,13 @@ run_dir_option = click.option(
     help="No authorizer: an open run, each worker told its stage (the config's [admission] mode stays).",
 )
 @click.option(
+    "--monitor/--no-monitor",
+    "with_monitor",
+    default=True,
+    show_default=True,
+    help="Start the health monitor and its dashboard (--no-monitor: one process less).",
+)
+@click.option(
     "--monitor-http",
     default="127.0.0.1:0",
     show_default=True,
@@ -202,6 +209,7 @@ def up(
     trainer_args,
     export,
     open_run,
+    with_monitor,
     monitor_http,
     monitor_period,
     run_dir,
@@ -248,8 +256,9 @@ def up(
         if swarm.authorized:
             start_authorizer(swarm)
             click.echo(f"  authorizer {swarm.authorizer_address}   account swarm, database {db_url(run_dir)}")
-        dashboard_url = start_monitor(swarm, http=monitor_http, period_s=monitor_period)
-        click.echo(f"  dashboard  {dashboard_url}   monitor database {monitor_db(swarm)}")
+        if with_monitor:
+            dashboard_url = start_monitor(swarm, http=monitor_http, period_s=monitor_period)
+            click.echo(f"  dashboard  {dashboard_url}   monitor database {monitor_db(swarm)}")
         workers = [  # an authorized swarm's are placed by the authorizer, the same number per stage
             start_worker(swarm, None if swarm.authorized else stage, worker_args)
             for stage in range(run.model.n_stages)

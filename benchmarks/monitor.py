@@ -16,7 +16,9 @@ process are too heavy for this machine): the benchmark names them members of the
 which the monitor otherwise takes from the DHT's member list.
 
 API: a database holding ``--hours`` of snapshots of such a run at the monitor's 5 s period
-(the rows are synthesised directly in the database, not ingested: 24 h would take 24 h),
+(the raw rows are synthesised directly in the database, not ingested: 24 h would take 24 h;
+their per-minute rollup is then computed by the store's own ``rebuild_rollup``, the rows
+``write`` would have kept),
 served by the dashboard's app on 127.0.0.1; ``--requests`` rounds of the page's poll (runs,
 overview, series, nodes, leaderboard, alerts), one request at a time. Figure: ``api_p99_ms``
 over every request (target <= 200 ms), against ``runs_p50_ms``, the smallest endpoint's
@@ -195,6 +197,7 @@ def synthesise_day(store: MonitorStore, run, hours: float, workers: int, trainer
              "reported_tokens": None, "restarts": 0, "loss": None, "live": True, "first_seen": t0, "last_seen": now,
              "lost_t": None, "termination_reason": None, "termination_detail": None, "terminated_t": None}
             for i in range(workers + trainers)])  # fmt: skip
+    store.rebuild_rollup(run.name)
     return count
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from agora_core.config import load_run_config
 from agora_monitor import queries
+from agora_monitor.alerts import current_alerts
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
@@ -123,4 +124,27 @@ def test_stage_samples_far_from_the_trainers_are_flagged_as_a_mismatch(db, run):
         ("stage/2", "samples_mismatch")
     ]
     assert stage_row(store, run, 2)["reconciled"] is False and stage_row(store, run, 1)["reconciled"] is True
+    store.close()
+
+
+def test_a_worker_that_left_cleanly_shows_as_left_and_only_a_vanished_one_as_lost(db, run):
+    store, ingest = monitor(db, run)
+    names = ("stays", "leaves", "vanishes", "late")
+    for i in range(4):
+        alive = [n for n in names if i < 2 or n == "stays"]
+        snap = snapshot(
+            T0 + 5 * i, workers=[worker(n, 0) for n in alive], progress={n: (i, 1) for n in alive}
+        )
+        if i >= 2:
+            snap.left = {node_id("leaves")}
+        if i >= 3:  # its LEFT reached this member after its probes had failed
+            snap.left.add(node_id("late"))
+        fold(store, ingest, snap)
+    left, vanished, late = (node(store, run, n) for n in ("leaves", "vanishes", "late"))
+    assert (left["live"], left["left_t"], left["lost_t"]) == (False, T0 + 10, None)
+    assert (vanished["live"], vanished["left_t"], vanished["lost_t"]) == (False, None, T0 + 10)
+    assert (late["left_t"], late["lost_t"]) == (T0 + 15, None)
+    with store.transaction() as connection:
+        alerts = current_alerts(connection, run.name, MonitorSettings(), now=T0 + 15)
+    assert [a["subject"] for a in alerts if a["name"] == "worker_lost"] == [node_id("vanishes")]
     store.close()

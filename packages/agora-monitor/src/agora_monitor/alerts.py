@@ -8,7 +8,7 @@ monitor stopped shows what was firing when it stopped, plus ``monitor_stale`` sa
 |---|---|
 | ``stage_stalled`` | a stage's step has not moved for ``stall_after_s`` |
 | ``stage_few_workers`` | a stage has fewer than ``min_workers`` serving workers |
-| ``worker_lost`` | a worker left the DHT without a departure record (within ``alert_window_s``) |
+| ``worker_lost`` | a worker vanished from the DHT: it neither announced leaving (a clean stop) nor wrote a departure record (within ``alert_window_s``) |
 | ``node_terminated`` | a worker terminated itself (its departure record, within the window) |
 | ``loss_nonfinite`` | a live trainer reports a NaN or infinite loss |
 | ``samples_mismatch`` | a stage's samples and the trainers' disagree (see :mod:`.ingest`) |
@@ -26,6 +26,10 @@ from sqlalchemy.engine import Connection
 from agora_monitor import schema
 from agora_monitor.settings import MonitorSettings
 
+ALERT_NAMES = (
+    "stage_stalled", "stage_few_workers", "worker_lost", "node_terminated", "loss_nonfinite",
+    "samples_mismatch", "record_flagged", "monitor_stale",
+)  # fmt: skip
 STALE_PERIODS = 3  # snapshots missed before the monitor itself is reported stale
 
 
@@ -65,7 +69,7 @@ def current_alerts(
     )
     for row in connection.execute(lost).mappings():
         alerts.append(_alert("worker_lost", "warning", row["node_id"],
-                             f"worker of stage {row['stage']} left the DHT without a departure record", row["lost_t"]))  # fmt: skip
+                             f"worker of stage {row['stage']} vanished from the DHT without leaving or a departure record", row["lost_t"]))  # fmt: skip
     terminated = select(n).where(n.c.run == run, n.c.terminated_t >= window)
     for row in connection.execute(terminated).mappings():
         alerts.append(_alert("node_terminated", "warning", row["node_id"],

@@ -19,11 +19,13 @@ import sys
 
 import click
 
+from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
-from agora_core.node_cli import fail, load_config
+from agora_core.metrics_exposure import MetricsExposure
+from agora_core.node_cli import fail, load_config, resolve_node
 from agora_monitor import __version__
 from agora_monitor.observer import join, observer_node
 from agora_monitor.service import Monitor
@@ -113,25 +115,35 @@ def main() -> None:
 
 
 async def _serve(
-    run, store: MonitorStore, settings: MonitorSettings, http: tuple[str, int], node_args: dict
+    run,
+    store: MonitorStore,
+    settings: MonitorSettings,
+    http: tuple[str, int],
+    node_args: dict,
+    node_settings: NodeSettings,
 ) -> None:
     metrics = NodeMetrics(role="monitor", instance=node_args["key"].node_id[:12])
     node = observer_node(run, metrics=metrics, **node_args)
     address = await join(node, node_args["bootstrap"])
     monitor = Monitor(run=run, store=store, dht=node.dht, settings=settings, metrics=metrics)
-    runner = None
+    runner = exposure = None
+    stopped = False
     try:
         await monitor.restore()
         runner, url = await start_site(make_app(store, settings), *http)
+        exposure = MetricsExposure.start(metrics, node_settings, run=run.name)
         click.echo(f"agora monitor {node.key.node_id}")
         click.echo(f"  run        {run.name} ({run.model.n_stages} stages)")
         click.echo(f"  database   {store.url}")
         click.echo(f"  serving    {address}")
         click.echo(f"  dashboard  {url}")
+        for line in exposure.describe():
+            click.echo(line)
         sys.stdout.flush()
         loop_task = asyncio.get_running_loop().create_task(monitor.run_forever(), name="monitor-snapshots")
         try:
             await _until_stopped()
+            stopped = True
         finally:
             loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -141,6 +153,8 @@ async def _serve(
             await runner.cleanup()
         await node.stop()
         monitor.close()
+        if exposure is not None:
+            exposure.close(clean=stopped)  # stopped as asked: its gateway group goes too
         click.echo("stopped")
 
 
@@ -176,11 +190,20 @@ async def _serve(
     show_default=True,
     help="Log lines for humans or machines.",
 )
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any).")
+@click.option("--metrics-host", help="Address to serve metrics on (default 127.0.0.1; $AGORA_METRICS_HOST).")
+@click.option(
+    "--metrics-push-gateway",
+    help="Push metrics to this Prometheus push gateway (host:port or URL; $AGORA_METRICS_PUSH_GATEWAY).",
+)
 @_settings_options
 def serve(
     config_file, bootstrap, db, http, key_file, credential_file, listen, advertise, log_format, **options
 ) -> None:
     """Join the run's DHT, snapshot it into the database, and serve the dashboard."""
+    metric_names = ("metrics_port", "metrics_host", "metrics_push_gateway")
+    # the metrics knobs, over AGORA_METRICS_*; --listen is the DHT member's, checked there
+    node_settings = resolve_node({name: options.pop(name) for name in metric_names})
     configure_logging(fmt=log_format, level="info")
     settings = _settings(options)
     run = load_config(config_file)
@@ -198,7 +221,7 @@ def serve(
         "advertise": advertise,
     }
     try:
-        asyncio.run(_serve(run, store, settings, address, node_args))
+        asyncio.run(_serve(run, store, settings, address, node_args, node_settings))
     except ConfigError as exc:
         fail(str(exc))
     except (AgoraError, OSError) as exc:

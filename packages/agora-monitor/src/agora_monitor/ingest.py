@@ -51,7 +51,7 @@ def new_node(run: str, node_id: str, role: str, t: float) -> dict:
         "address": None, "version": None, "throughput": None, "load": None, "step": None,
         "step_samples": None, "samples": 0, "tokens": 0, "reported_samples": None,
         "reported_tokens": None, "restarts": 0, "loss": None, "live": True, "first_seen": t,
-        "last_seen": t, "lost_t": None, "termination_reason": None, "termination_detail": None,
+        "last_seen": t, "lost_t": None, "left_t": None, "termination_reason": None, "termination_detail": None,
         "terminated_t": None,
     }  # fmt: skip
 
@@ -182,7 +182,7 @@ class Ingest:
             )  # fmt: skip
 
     def _membership(self, snap: Snapshot, changed: set[str]) -> None:
-        """Accounts and roles from credentials; departures; who left without a word."""
+        """Accounts and roles from credentials; departures; who left cleanly, who without a word."""
         for member in snap.members.values():
             row = self._node(member.node_id, member.role, snap.t)
             if row["role"] not in ("worker", "trainer"):
@@ -196,9 +196,14 @@ class Ingest:
                 row.update(termination_detail=departure.detail[:1024], stage=departure.stage)
                 changed.add(departure.node_id)
         for node_id, row in self.nodes.items():
-            live = node_id in snap.members
-            if live:
-                row.update(live=True, last_seen=snap.t, lost_t=None)
+            if node_id in snap.members:
+                row.update(live=True, last_seen=snap.t, lost_t=None, left_t=None)
+            elif node_id in snap.left:
+                # a clean stop; also after a lost one: its LEFT may reach this member after
+                # its failed probes did, and a member's own claim outranks them
+                if row["left_t"] is None:
+                    row.update(live=False, left_t=snap.t, lost_t=None)
+                    changed.add(node_id)
             elif row["live"]:
                 row.update(live=False, lost_t=snap.t)
                 changed.add(node_id)

@@ -1,19 +1,24 @@
 """What the dashboard's JSON API reads: each function one answer, from one read transaction.
 
 Time series are bucketed in the database (``points`` buckets over the asked window, each the
-mean or the last of its snapshots), so an answer's size does not grow with the run's length.
+mean or the last of its snapshots), so an answer's size does not grow with the run's length;
+a window longer than :data:`RAW_WINDOW_S` is bucketed from the per-minute rollup
+(:mod:`.rollup`), so neither does the work of answering it.
 """
 
 from __future__ import annotations
 
 import math
 
-from sqlalchemy import Integer, cast, func, select
+from sqlalchemy import Double, Integer, Table, cast, func, select
 from sqlalchemy.engine import Connection
 
-from agora_monitor import schema
+from agora_monitor import rollup, schema
 
 MAX_POINTS = 2000  # the most buckets a series answer holds
+# windows up to this long are bucketed from the raw snapshots (at a 5 s period, 720 of them
+# and a row per stage each: a few ms), longer ones from the rollup in whole minutes
+RAW_WINDOW_S = 3600.0
 
 
 def _finite(value):
@@ -23,6 +28,21 @@ def _finite(value):
 
 def _row(mapping) -> dict:
     return {key: _finite(value) for key, value in mapping.items()}
+
+
+def _rows(result, table: Table) -> list[dict]:
+    """Every row of ``result`` (whole rows of ``table``) as a dict, non-finite floats as None.
+    Only the table's float columns are checked: a thousand nodes' 27 values each, one call
+    apiece, were most of the ``nodes`` answer's time."""
+    keys = list(result.keys())
+    floats = [c.name for c in table.columns if isinstance(c.type, Double)]
+    rows = [dict(zip(keys, row, strict=True)) for row in result]
+    for row in rows:
+        for key in floats:
+            value = row[key]
+            if value is not None and not math.isfinite(value):
+                row[key] = None
+    return rows
 
 
 def runs(connection: Connection) -> list[dict]:
@@ -59,9 +79,18 @@ def _window(connection: Connection, run: str, since: float | None) -> tuple[floa
     return None if first is None else (first, last)
 
 
-def series(connection: Connection, run: str, *, points: int = 300, since: float | None = None) -> dict:
+def series(
+    connection: Connection,
+    run: str,
+    *,
+    points: int = 300,
+    since: float | None = None,
+    raw_window_s: float = RAW_WINDOW_S,
+) -> dict:
     """The run's time series (loss, samples, tokens/s, workers) and each stage's (serving
-    workers, step, averaging success), in at most ``points`` buckets from ``since``."""
+    workers, step, averaging success), in at most ``points`` buckets from ``since``; windows
+    longer than ``raw_window_s`` in buckets of whole minutes (fewer, if ``points`` asks for
+    finer)."""
     points = max(1, min(points, MAX_POINTS))
     out: dict = {"t": [], "samples": [], "loss": [], "tokens_per_s": [], "workers": [], "stages": {}}
     window = _window(connection, run, since)
@@ -69,6 +98,13 @@ def series(connection: Connection, run: str, *, points: int = 300, since: float 
         return out
     first, last = window
     width = max((last - first) / points, 1e-3)
+    if last - first > raw_window_s:
+        rollup.read(connection, run, first, width, out)
+        for name in ("loss", "tokens_per_s"):
+            out[name] = [_finite(value) for value in out[name]]
+        for entry in out["stages"].values():
+            entry["averaging_success"] = [_finite(value) for value in entry["averaging_success"]]
+        return out
     s = schema.snapshots
     bucket = cast((s.c.t - first) / width, Integer).label("bucket")
     query = (
@@ -124,7 +160,7 @@ def series(connection: Connection, run: str, *, points: int = 300, since: float 
 def nodes(connection: Connection, run: str) -> list[dict]:
     n = schema.nodes
     query = select(n).where(n.c.run == run).order_by(n.c.role, n.c.stage, n.c.node_id)
-    return [_row(row) for row in connection.execute(query).mappings()]
+    return _rows(connection.execute(query), n)
 
 
 def leaderboard(connection: Connection, run: str) -> list[dict]:

@@ -12,6 +12,10 @@ are wall-clock seconds in double precision.
   stage hold distinct samples at one step, so summing over workers does not double count;
   seeing a report again (a repeated snapshot, a restarted worker's lingering record, a
   restarted monitor) only keeps the maximum.
+* ``series_minutes``, ``stage_series_minutes``: the time series rolled up per wall-clock
+  minute (sums and counts for means, extremes for the rest), upserted by every snapshot in
+  its own transaction (:mod:`.rollup`): the dashboard's long windows read these, a row a
+  minute instead of twelve.
 * ``flags``: records the monitor distrusts (bad writer, impossible rate, unreconciled
   samples), one row per (run, subject, kind) with a count, so a persistent fault is one row.
 
@@ -34,7 +38,7 @@ from sqlalchemy import (
     Table,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the per-minute rollups; nodes.left_t
 RUN = 200  # a run name's length bound
 NODE_ID = 64  # node ids are 40 hex digits; flags' subjects ("stage/3") fit too
 
@@ -141,11 +145,42 @@ nodes = Table(
     Column("live", Boolean, nullable=False),  # a DHT member at the last snapshot
     Column("first_seen", Double, nullable=False),
     Column("last_seen", Double, nullable=False),
-    Column("lost_t", Double),  # when it left the member list without saying why
+    Column("lost_t", Double),  # when it left the member list without announcing it
+    Column("left_t", Double),  # when it announced leaving (a clean stop: LEFT in the DHT)
     Column("termination_reason", String(64)),  # its departure record, if it terminated itself
     Column("termination_detail", String(1100)),
     Column("terminated_t", Double),
     PrimaryKeyConstraint("run", "node_id"),
+)
+
+series_minutes = Table(
+    "series_minutes",
+    metadata,
+    Column("run", String(RUN), nullable=False),
+    Column("minute", BigInteger, nullable=False),  # floor(t / 60)
+    Column("snapshots", Integer, nullable=False),
+    Column("t", Double, nullable=False),  # the minute's last snapshot time
+    Column("samples", BigInteger, nullable=False),  # the most (a running total: the last)
+    Column("loss_sum", Double, nullable=False),  # over the snapshots with a loss ...
+    Column("loss_count", Integer, nullable=False),  # ... how many: mean = sum / count
+    Column("tokens_per_s_sum", Double, nullable=False),
+    Column("tokens_per_s_count", Integer, nullable=False),
+    Column("workers", Integer, nullable=False),  # the most
+    PrimaryKeyConstraint("run", "minute"),
+)
+
+stage_series_minutes = Table(
+    "stage_series_minutes",
+    metadata,
+    Column("run", String(RUN), nullable=False),
+    Column("stage", Integer, nullable=False),
+    Column("minute", BigInteger, nullable=False),
+    Column("t", Double, nullable=False),
+    Column("workers_serving", Integer, nullable=False),  # the fewest: a dip shows
+    Column("step", BigInteger, nullable=False),  # the furthest
+    Column("averaging_success_sum", Double, nullable=False),
+    Column("averaging_success_count", Integer, nullable=False),
+    PrimaryKeyConstraint("run", "stage", "minute"),
 )
 
 flags = Table(

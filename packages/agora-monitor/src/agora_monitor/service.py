@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections import Counter
 
 from agora_core.config import RunConfig
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import AgoraError
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_monitor.alerts import ALERT_NAMES, current_alerts
 from agora_monitor.ingest import Ingest, Rows
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.snapshot import read_snapshot
@@ -45,15 +47,30 @@ class Monitor:
         self.snapshots = 0  # written since this process started
         self.last_error: str | None = None
         self._m_snapshots = metrics.counter(
-            "agora_monitor_snapshots_total", "Snapshots read and written, by outcome.", ("outcome",)
+            "agora_monitor_snapshots_total",
+            "Snapshots read and written, by outcome (ok, failed).",
+            ("outcome",),
         )
         self._m_seconds = metrics.histogram(
             "agora_monitor_snapshot_seconds", "Reading one snapshot from the DHT and writing it.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
         )  # fmt: skip
+        self._m_last_seconds = metrics.gauge(
+            "agora_monitor_last_snapshot_seconds", "The last snapshot's read, fold and commit, in seconds."
+        )
+        self._m_last_time = metrics.gauge(
+            "agora_monitor_last_snapshot_timestamp_seconds", "Wall-clock time of the last snapshot written."
+        )
         self._m_flags = metrics.counter(
             "agora_monitor_flags_total", "Records distrusted, by kind.", ("kind",)
         )
+        self._m_alerts = metrics.gauge(
+            "agora_monitor_alerts_firing", "Alerts firing after the last snapshot, by name.", ("name",)
+        )
+        for name in ALERT_NAMES:  # every series from the start: a rule that never fired reads 0
+            self._m_alerts.labels(name=name).set(0)
+        for outcome in ("ok", "failed"):
+            self._m_snapshots.labels(outcome=outcome)
 
     async def _in_writer(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -65,19 +82,37 @@ class Monitor:
         self._ingest = Ingest(self.run, self.settings, ledger, nodes)
         log.info("monitor_restored", run=self.run.name, nodes=len(nodes), samples=ledger.samples)
 
+    def _write(self, rows: Rows) -> list[dict]:
+        """On the writer thread: commit ``rows``, then judge the alerts on what it left."""
+        self.store.write(rows)
+        with self.store.transaction() as connection:
+            return current_alerts(connection, self.run.name, self.settings)
+
     async def snapshot_once(self) -> Rows:
-        """One snapshot, read, folded and committed; DhtError or the store's error if it fails."""
-        if self._ingest is None:
-            await self.restore()
-        started = time.perf_counter()
-        snapshot = await read_snapshot(self.dht, self.run)
-        rows = self._ingest.apply(snapshot)
-        rows.snapshot["ingest_s"] = time.perf_counter() - started  # the write is not in it
-        await self._in_writer(self.store.write, rows)
+        """One snapshot, read, folded and committed, counted by outcome; DhtError or the
+        store's error if it fails."""
+        try:
+            if self._ingest is None:
+                await self.restore()
+            started = time.perf_counter()
+            snapshot = await read_snapshot(self.dht, self.run)
+            rows = self._ingest.apply(snapshot)
+            rows.snapshot["ingest_s"] = time.perf_counter() - started  # the write is not in it
+            alerts = await self._in_writer(self._write, rows)
+        except Exception:  # not a cancellation: a monitor stopped mid-snapshot did not fail
+            self._m_snapshots.labels(outcome="failed").inc()
+            raise
+        seconds = time.perf_counter() - started
         self.snapshots += 1
-        self._m_seconds.observe(time.perf_counter() - started)
+        self._m_snapshots.labels(outcome="ok").inc()
+        self._m_seconds.observe(seconds)
+        self._m_last_seconds.set(seconds)
+        self._m_last_time.set(rows.snapshot["t"])
         for flag in rows.flags:
             self._m_flags.labels(kind=flag.kind).inc()
+        firing = Counter(alert["name"] for alert in alerts)
+        for name in ALERT_NAMES:
+            self._m_alerts.labels(name=name).set(firing[name])
         return rows
 
     async def run_forever(self) -> None:
@@ -88,11 +123,9 @@ class Monitor:
                 rows = await self.snapshot_once()
             except (DhtError, AgoraError, TimeoutError) as exc:
                 self.last_error = str(exc)
-                self._m_snapshots.labels(outcome="failed").inc()
                 log.warning("monitor_snapshot_failed", error=str(exc))
             else:
                 self.last_error = None
-                self._m_snapshots.labels(outcome="ok").inc()
                 log.debug(
                     "monitor_snapshot", workers=rows.snapshot["workers"], samples=rows.snapshot["samples"]
                 )

@@ -4,7 +4,9 @@
 keeps the records whose writer checks out
 (:mod:`.records`), and notes who is a live member of the DHT: an entry a crashed node
 published outlives it by up to the record TTL, its membership only until its failed probes
-mark it dead, so a worker counts as live only while it is a member.
+mark it dead, so a worker counts as live only while it is a member. A member that stopped
+cleanly announced LEFT before it went: those are noted too (``Snapshot.left``), so a clean
+stop is not reported as a lost worker.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Snapshot:
     departures: list[WorkerDeparture] = field(default_factory=list)
     trainers: list[TrainerProgress] = field(default_factory=list)  # live or not: final counters
     members: dict[str, MemberInfo] = field(default_factory=dict)  # node id -> member
+    left: set[str] = field(default_factory=set)  # ids of members that announced leaving
     flags: list[Flag] = field(default_factory=list)
 
 
@@ -93,12 +96,17 @@ def run_keys(run: RunConfig) -> dict[str, str]:
 
 
 def parse_snapshot(
-    run: RunConfig, t: float, found: dict[str, dict[str, DhtValue]], members: dict[str, MemberInfo]
+    run: RunConfig,
+    t: float,
+    found: dict[str, dict[str, DhtValue]],
+    members: dict[str, MemberInfo],
+    left: set[str] = frozenset(),
 ) -> Snapshot:
-    """The snapshot in ``found`` (what ``get_many`` of :func:`run_keys` returned) with the
-    live ``members``: workers and progress of live members only, every record checked."""
+    """The snapshot in ``found`` (what :func:`read_keys` of :func:`run_keys` returned) with the
+    live ``members`` (and the ids of those that ``left``): workers and progress of live
+    members only, every record checked."""
     keys = run_keys(run)
-    snapshot = Snapshot(t=t, members=members)
+    snapshot = Snapshot(t=t, members=members, left=set(left))
     flags = snapshot.flags
 
     def entries(what: str, parse):
@@ -135,4 +143,4 @@ async def read_snapshot(dht: DhtNode, run: RunConfig) -> Snapshot:
     """Everything run ``run`` publishes, read through ``dht`` (DhtError if it cannot read)."""
     t = time.time()
     found = await read_keys(dht, list(run_keys(run).values()))
-    return parse_snapshot(run, t, found, members_of(dht))
+    return parse_snapshot(run, t, found, members_of(dht), dht.left_ids())

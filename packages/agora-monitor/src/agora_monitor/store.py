@@ -12,7 +12,7 @@ from sqlalchemy import case, insert, select, update
 
 from agora_core.config import RunConfig
 from agora_core.sql import SqlDatabase
-from agora_monitor import schema
+from agora_monitor import rollup, schema
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Rows
 from agora_monitor.ledger import Ledger, StageCounter, TrainerCounter, WorkerCounter
@@ -73,6 +73,7 @@ class MonitorStore(SqlDatabase):
             if rows.stage_snapshots:
                 stage_rows = [{**row, "snapshot_id": snapshot_id} for row in rows.stage_snapshots]
                 connection.execute(insert(schema.stage_snapshots), stage_rows)
+            rollup.write(connection, self.upsert, rows.snapshot, rows.stage_snapshots)
             if rows.stages:
                 statement = self.upsert(schema.stages)
                 columns = [c for c in rows.stages[0] if c not in ("run", "stage")]
@@ -98,6 +99,12 @@ class MonitorStore(SqlDatabase):
             if rows.flags:
                 self._write_flags(connection, run, t, rows)
         return snapshot_id
+
+    def rebuild_rollup(self, run_name: str) -> None:
+        """Run ``run_name``'s per-minute rollup recomputed from its raw snapshot rows (for
+        history written without it; :meth:`write` keeps it current)."""
+        with self.transaction(write=True) as connection:
+            rollup.rebuild(connection, self.backend, run_name)
 
     def _write_flags(self, connection, run: str, t: float, rows: Rows) -> None:
         merged: dict[tuple[str, str], dict] = {}

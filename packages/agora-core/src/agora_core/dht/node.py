@@ -212,6 +212,14 @@ class DhtNode:
         TTL, its membership only until its failed probes mark it dead."""
         return {m.node_id for m in self.members()}
 
+    def left_ids(self) -> set[str]:
+        """Ids of the members that announced leaving (their signed LEFT), while their
+        tombstones are remembered (``dht.tombstone_s``): a clean stop, told apart from a
+        member that vanished (DEAD: its probes failed)."""
+        if self.table is None:
+            return set()
+        return {m.node_id for m in self.table.known() if m.status == Status.LEFT}
+
     def _membership_changed(self) -> None:
         self._alive_cache = None
         self._changed.set()

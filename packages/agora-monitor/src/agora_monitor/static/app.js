@@ -163,7 +163,8 @@ async function update() {
       { text: (s.samples_gap >= 0 ? "+" : "") + fmt(s.samples_gap), cls: s.reconciled ? "ok" : "warning" }, fmt(averaging[s.stage], 2)]);
     fillTable("nodes", nodes.nodes, (n) => [{ text: n.node_id.slice(0, 12), title: n.node_id }, n.role, n.stage ?? "–", n.phase ?? "–",
       fmt(n.samples), fmt(n.throughput, 1), n.live ? "live" : ago(n.last_seen, now), n.version ?? "–", n.account || "–",
-      n.termination_reason ? { text: n.termination_reason, cls: "warning", title: n.termination_detail || "" } : (n.lost_t && !n.live ? { text: "lost", cls: "warning" } : "–")],
+      n.termination_reason ? { text: n.termination_reason, cls: "warning", title: n.termination_detail || "" } : (n.live ? "–" : n.left_t ? { text: "left", title: "stopped cleanly: it announced leaving the DHT" }
+        : n.lost_t ? { text: "lost", cls: "warning", title: "vanished from the DHT without leaving" } : "–")],
     (n) => (n.live ? "" : "dead"));
     fillTable("leaderboard", board.accounts, (a, i) => [i + 1, a.account || "(open run)", `${a.nodes} (${a.live})`, a.workers, a.trainers,
       fmt(a.worker_samples), fmt(a.trainer_samples)]);

@@ -89,7 +89,7 @@ def config(tmp_path) -> Path:
 class Swarm:
     """`swarm.py up` in the background; always brought down, even when a test fails."""
 
-    def __init__(self, config: Path, shards: Path, run_dir: Path, samples: int):
+    def __init__(self, config: Path, shards: Path, run_dir: Path, samples: int, export: bool):
         self.run = load_run_config(config)
         self.run_dir = run_dir
         self.log = run_dir.parent / "up.log"
@@ -106,6 +106,7 @@ class Swarm:
                 "--shards",
                 str(shards),
                 *self.flags(samples),
+                "--export" if export else "--no-export",  # the model is checked where it is exported
             ],
             stdout=self._out,
             stderr=subprocess.STDOUT,
@@ -237,8 +238,8 @@ class Swarm:
 def swarm_factory(tmp_path):
     started: list[Swarm] = []
 
-    def start(config: Path, shards: Path, samples: int) -> Swarm:
-        swarm = Swarm(config, shards, tmp_path / "run", samples)
+    def start(config: Path, shards: Path, samples: int, *, export: bool = False) -> Swarm:
+        swarm = Swarm(config, shards, tmp_path / "run", samples, export)
         started.append(swarm)
         return swarm
 
@@ -272,7 +273,7 @@ def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, exp
 
 @pytest.mark.timeout(RUN_S + REFERENCE_S + MARGIN_S, func_only=True)
 def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shards, swarm_factory):
-    swarm = swarm_factory(config, shards, SAMPLES)
+    swarm = swarm_factory(config, shards, SAMPLES, export=True)
     stages = range(swarm.run.model.n_stages)
     assert [len(names) for names in swarm.placed()] == [2] * len(stages)  # the authorizer spread them
     averaged: set[int] = set()

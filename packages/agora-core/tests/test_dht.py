@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from agora_core.config import load_run_config
-from agora_core.dht import DhtNode, RecordRejected, Status, member_list, owned_subkey
+from agora_core.dht import DhtNode, RecordRejected, Status, bulk, member_list, owned_subkey
 from agora_core.dht.records import make_record
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
@@ -182,6 +182,27 @@ async def test_a_value_stored_via_any_node_is_read_via_any_other(swarm):
     many = await swarm.nodes[5].get_many([f"any/{i}" for i in range(20)] + ["any/missing"])
     assert [many[f"any/{i}"]["v"].value["i"] for i in range(20)] == list(range(20))
     assert many["any/missing"] == {}
+
+
+async def test_a_key_holding_more_than_a_header_carries_travels_whole(swarm):
+    # 400 entries of ~600 bytes: some 250 KiB under one key, four times what a header holds
+    # (a stage of a thousand workers announces about as much); replies carry it as bulk
+    expiration = time.time() + 300
+    writer = swarm.nodes[7]
+    entries = {f"w{i:03d}": {"i": i, "pad": "x" * 600} for i in range(400)}
+    for start in range(0, len(entries), 50):
+        batch = list(entries.items())[start : start + 50]
+        stored = await asyncio.gather(*(writer.store("big/key", s, v, expiration) for s, v in batch))
+        assert min(stored) >= 1
+    got = await swarm.nodes[20].get("big/key")
+    assert {s: v.value for s, v in got.items()} == entries
+    # every replica answers a raw dht.get with all of it (in a data frame, not the header)
+    for replica in swarm.seed.replicas("big/key"):
+        reply = await swarm.client.call(replica.address, "dht.get", {"keys": ["big/key"]}, timeout_s=5)
+        assert (
+            "records" not in reply.meta
+            and len(bulk.unpack("records", reply.meta, reply.tensors)["big/key"]) == 400
+        )
 
 
 async def test_watch_yields_the_value_now_and_on_every_change(swarm):

@@ -1,6 +1,6 @@
 """AsyncSPARTA rounds among real worker processes on 127.0.0.1 (surrogate stages).
 
-Four replicas of stage 1 train on different samples so their weights differ (their dummy
+Four replicas of stage 1 (five in one test) train on different samples so their weights differ (their dummy
 parameters start at each replica's own random values), then average one segment. Rounds are
 started by hand (``averaging.start``) so each test controls when they run; every wait is on a
 condition with a deadline.
@@ -215,35 +215,25 @@ def weighted_mean(values: list[np.ndarray], weights: list[float]) -> np.ndarray:
 
 
 async def test_a_clean_round_gives_every_replica_the_sample_weighted_mean_of_one_segment(tmp_path):
+    # four replicas that trained, and a fifth still syncing its weights: it brings no samples
+    # (weight zero), takes the average, and does not move it
     async with cluster(tmp_path) as c:
-        paths, _ids = keys(tmp_path, 4)
-        before = await c.ready(paths, [[]] * 4, [1, 2, 3, 4])
+        paths, _ids = keys(tmp_path, 5)
+        before = await c.ready(paths, [[]] * 4 + [["--phase", "weight_sync"]], [1, 2, 3, 4, 0])
         values, weights = [v for v, _ in before], [float(n) for _, n in before]
-        assert weights == [1.0, 2.0, 3.0, 4.0]
+        assert weights == [1.0, 2.0, 3.0, 4.0, 0.0]
         assert not np.allclose(values[0][:20], values[1][:20])  # training made them differ
         segment = c.trained_segment
         reports = await c.round(c.replicas, segment)
         mask = c.segment_mask(segment)
-        expected = weighted_mean(values, weights)
+        expected = weighted_mean(values[:4], weights[:4])  # the syncing peer moves nothing
+        assert not np.allclose(values[4][mask], expected[mask])  # ... though it started elsewhere
         for (old, _), replica, report in zip(before, c.replicas, reports, strict=True):
             new, _ = await c.params(replica)
             np.testing.assert_allclose(new[mask], expected[mask], rtol=1e-5, atol=1e-6)
             assert np.array_equal(new[~mask], old[~mask])  # untouched coordinates unchanged
-            assert report["group_size"] == 4 and report["averaging_success"] == 1.0
+            assert report["group_size"] == 5 and report["averaging_success"] == 1.0
             assert report["reduce_success"] == 1.0 and not report["excluded"]
-
-
-async def test_a_weight_zero_peer_takes_the_average_without_moving_it(tmp_path):
-    async with cluster(tmp_path) as c:
-        paths, _ids = keys(tmp_path, 4)
-        before = await c.ready(paths, [[], [], [], ["--phase", "weight_sync"]], [3, 3, 2, 0])
-        segment = c.trained_segment
-        await c.round(c.replicas, segment)
-        mask = c.segment_mask(segment)
-        expected = weighted_mean([v for v, _ in before[:3]], [3.0, 3.0, 2.0])  # without the syncing peer
-        for replica in c.replicas:
-            new, _ = await c.params(replica)
-            np.testing.assert_allclose(new[mask], expected[mask], rtol=1e-5, atol=1e-6)
 
 
 async def test_steps_taken_during_a_round_are_kept_by_the_delta_rule(tmp_path):

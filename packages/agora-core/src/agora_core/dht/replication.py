@@ -21,6 +21,7 @@ from typing import Any
 
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
+from agora_core.dht import bulk
 from agora_core.dht.membership import Member
 from agora_core.dht.records import DhtError, Record, RecordRejected
 from agora_core.dht.storage import RecordStore, newer
@@ -97,11 +98,11 @@ class Replication:
     def _on_store(self, request: Request) -> Payload:
         meta = request.meta if isinstance(request.meta, dict) else {}
         self._introduce(meta.get("from"))
-        stored, errors = self._accept_items(meta.get("items"), meta.get("now"))
+        stored, errors = self._accept_items(bulk.unpack("items", meta, request.tensors), meta.get("now"))
         return Payload({"stored": stored, "errors": errors})
 
     def _on_get(self, request: Request) -> Payload:
-        keys = request.meta.get("keys") if isinstance(request.meta, dict) else None
+        keys = bulk.unpack("keys", request.meta, request.tensors)
         if (
             not isinstance(keys, list)
             or len(keys) > MAX_KEYS_PER_CALL
@@ -114,11 +115,11 @@ class Replication:
             records = self.records.get(key, now=now)
             if records:
                 found[key] = {subkey: record.to_wire() for subkey, record in records.items()}
-        return Payload({"records": found})
+        return Payload(*bulk.pack("records", found))
 
     def _on_digest(self, request: Request) -> Payload:
         """Anti-entropy: given (key -> subkey -> expiration), name what this replica lacks."""
-        digest = request.meta.get("digest") if isinstance(request.meta, dict) else None
+        digest = bulk.unpack("digest", request.meta, request.tensors)
         if not isinstance(digest, dict) or len(digest) > MAX_KEYS_PER_CALL:
             raise BadRequest(f"digest must map at most {MAX_KEYS_PER_CALL} keys to {{subkey: expiration}}")
         now = time.time()
@@ -133,17 +134,19 @@ class Replication:
                     isinstance(expiration, (int, float)) and record.expiration < expiration
                 ):
                     wanted.append([key, subkey])
-        return Payload({"wanted": wanted})
+        return Payload(*bulk.pack("wanted", wanted))
 
     # --- calls to one replica ----------------------------------------------------------------------
 
     async def _store_at(self, member: Member, items: list[Item]) -> tuple[list[bool], list]:
         if member.node_id == self.node_id:
             return self._accept_items([[k, s, r.to_wire()] for k, s, r in items], None)
+        fields, tensors = bulk.pack("items", [[k, s, r.to_wire()] for k, s, r in items])
         reply = await self.client.call(
             member.address,
             Method.DHT_STORE,
-            {"items": [[k, s, r.to_wire()] for k, s, r in items], "now": time.time(), "from": self._sender()},
+            {**fields, "now": time.time(), "from": self._sender()},
+            tensors,
             timeout_s=self.config.op_timeout_s,
         )
         meta = reply.meta if isinstance(reply.meta, dict) else {}
@@ -154,9 +157,10 @@ class Replication:
             now = time.time()
             return {key: self.records.get(key, now=now) for key in keys}
         reply = await self.client.call(
-            member.address, Method.DHT_GET, {"keys": keys}, timeout_s=self.config.op_timeout_s
+            member.address, Method.DHT_GET, *bulk.pack("keys", keys), timeout_s=self.config.op_timeout_s
         )
-        raw = reply.meta.get("records", {}) if isinstance(reply.meta, dict) else {}
+        raw = bulk.unpack("records", reply.meta, reply.tensors, {})
+        raw = raw if isinstance(raw, dict) else {}
         result: dict[str, dict[str, Record]] = {}
         for key in keys:
             subkeys = raw.get(key) or {}
@@ -317,12 +321,13 @@ class Replication:
                     reply = await self.client.call(
                         member.address,
                         Method.DHT_DIGEST,
-                        {"digest": part},
+                        *bulk.pack("digest", part),
                         timeout_s=self.config.op_timeout_s,
                     )
                 except RpcError:
                     return
-                wanted = reply.meta.get("wanted", []) if isinstance(reply.meta, dict) else []
+                wanted = bulk.unpack("wanted", reply.meta, reply.tensors, [])
+                wanted = wanted if isinstance(wanted, list) else []
                 for item in wanted:
                     if isinstance(item, list) and len(item) == 2:
                         record = self.records.get(str(item[0]), now=now).get(str(item[1]))

@@ -36,20 +36,28 @@ def unpack(field: str, meta: Any, tensors: Any, default: Any = None) -> Any:
     data = tensors.get(tensor_name(field)) if isinstance(tensors, dict) else None
     if data is None:
         return meta.get(field, default) if isinstance(meta, dict) else default
+    value = unpack_tensor(
+        data, max_bytes=MAX_BULK_BYTES, max_entries=MAX_ENTRIES, max_map_entries=MAX_ENTRIES
+    )
+    return default if value is None else value
+
+
+def unpack_tensor(data: Any, *, max_bytes: int, max_entries: int, max_map_entries: int) -> Any:
+    """The msgpack value in a uint8 tensor, unpacked within bounds; None if it is not one."""
     if (
         not isinstance(data, np.ndarray)
         or data.dtype != np.uint8
         or data.ndim != 1
-        or data.nbytes > MAX_BULK_BYTES
+        or data.nbytes > max_bytes
     ):
-        return default
+        return None
     try:
         return msgpack.unpackb(
             data.tobytes(),
             raw=False,
-            max_array_len=MAX_ENTRIES,
-            max_map_len=MAX_ENTRIES,
+            max_array_len=max_entries,
+            max_map_len=max_map_entries,
             strict_map_key=True,
         )
     except (ValueError, msgpack.UnpackException, TypeError):
-        return default
+        return None

@@ -10,6 +10,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from agora_core.dht import bulk
+
 TENSOR = "members"
 MAX_LIST_BYTES = 16 << 20  # about 35 000 credentialed members
 MAX_LISTED = 1 << 16
@@ -27,17 +29,5 @@ def unpack(meta: Any, tensors: dict[str, Any]) -> list | None:
     if data is None:
         listed = meta.get("members") if isinstance(meta, dict) else None
         return listed if isinstance(listed, list) else None
-    if (
-        not isinstance(data, np.ndarray)
-        or data.dtype != np.uint8
-        or data.ndim != 1
-        or data.nbytes > MAX_LIST_BYTES
-    ):
-        return None
-    try:
-        entries = msgpack.unpackb(
-            data.tobytes(), raw=False, max_array_len=MAX_LISTED, max_map_len=16, strict_map_key=True
-        )
-    except (ValueError, msgpack.UnpackException, TypeError):
-        return None
+    entries = bulk.unpack_tensor(data, max_bytes=MAX_LIST_BYTES, max_entries=MAX_LISTED, max_map_entries=16)
     return entries if isinstance(entries, list) else None

@@ -302,17 +302,31 @@ class ClientConnections:
         if peer.error is not None:
             raise peer.error
 
-    async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
+    def _frames(self, peer: _Peer, message: Message) -> list:
+        """``message`` encoded for ``peer``: its routing id first."""
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
         self.traffic.sent(frames_nbytes(frames))
         frames.insert(0, peer.routing_id)
-        pump = self._socket()
+        return frames
+
+    def _put_nowait(self, peer: _Peer, frames: list) -> bool:
+        """Send at once if zmq takes it (the common case: no coroutine); False: :meth:`_put` it."""
         try:
-            if not pump.send_nowait(frames):  # the common case: zmq takes it at once
-                await pump.send(frames, deadline)
+            return self._socket().send_nowait(frames)
         except ConnectionError:
             raise PeerUnreachable(f"connection to {peer.address} is gone") from None
+
+    async def _put(self, peer: _Peer, frames: list, deadline: float | None = None) -> None:
+        try:
+            await self._socket().send(frames, deadline)
+        except ConnectionError:
+            raise PeerUnreachable(f"connection to {peer.address} is gone") from None
+
+    async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
+        frames = self._frames(peer, message)
+        if not self._put_nowait(peer, frames):
+            await self._put(peer, frames, deadline)
 
     def _send_soon(self, peer: _Peer, message: Message) -> None:
         """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""

@@ -14,10 +14,12 @@ For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
   * steady state: messages and bytes per node per second (flat or logarithmic in N)
   * authenticated (sizes up to --auth-max-size, 64 by default): the same latencies in a swarm
     of an authorized run (CURVE connections, credentialed members, signed claims and records)
-    against the plain swarm's (target: get p99 <= 1.2x). 128 CURVE nodes in this one process
-    take minutes to start on two cores, and libzmq 4.3.5 then aborts the process
-    ("Assertion failed: !_more (src/fq.cpp:80)" in a recv on the event loop's thread); one
-    node per process, as a run has them, does not go there.
+    against the plain swarm's (target: get p99 <= 1.2x). Past 64 the in-process swarm is
+    bound by this one process: 128 nodes may keep only 46 connections each open (file
+    descriptors), so members outside a node's pool are re-dialled for every probe, and every
+    authenticated dial costs a CURVE handshake and a credential greeting both ways; on two
+    cores that swarm does not converge within the benchmark's wait. One node per process, as
+    a run has them, keeps 256 connections.
 
 With --latency-ms, every node sits behind an emulated link of that one-way latency, so
 network time dominates CPU time as it does across the internet.

@@ -32,6 +32,7 @@ from agora_authorizer.store import AlreadyExists, Store, StoreError
 from agora_core.admission.software import local_build
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
+from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 from agora_core.metrics_exposure import MetricsExposure
@@ -162,6 +163,7 @@ async def _serve(authorizer, node: NodeSettings) -> None:
     )
     click.echo(f"agora-authorizer {__version__}: run {authorizer.run.name!r}")
     click.echo(f"  serving    {address}")
+    settle_startup_heap()
     click.echo(f"  public key {authorizer.key.public_key.hex()}")
     click.echo(f"  database   {authorizer.store.url}")
     click.echo(f"  queue      {len(authorizer.queue)} waiting; admissions {rate}")

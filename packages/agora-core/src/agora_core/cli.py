@@ -19,6 +19,7 @@ from agora_core.config import NodeSettings
 from agora_core.config.unimplemented import NOT_IMPLEMENTED
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, ConfigError
+from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
@@ -141,6 +142,7 @@ async def _serve(settings: NodeSettings, duration_s: float | None, self_check: b
     exposure = MetricsExposure.start(metrics, settings, run="")  # a standalone node is in no run
     click.echo(f"agora node {key.node_id}")
     click.echo(f"  serving    {address}")
+    settle_startup_heap()
     click.echo(f"  methods    {', '.join(server.methods)}")
     for line in exposure.describe():
         click.echo(line)
@@ -236,6 +238,7 @@ async def _serve_dht(
     exposure = MetricsExposure.start(metrics, settings, run=run.name)
     click.echo(f"agora dht node {key.node_id}")
     click.echo(f"  serving    {address}", nl=True)
+    settle_startup_heap()
     click.echo(f"  bootstrap  {key.public_key.hex()}@{address}")  # what other nodes pass --bootstrap
     click.echo(f"  members    {len(node.members())}")
     for line in exposure.describe():

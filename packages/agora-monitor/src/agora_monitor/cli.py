@@ -21,6 +21,7 @@ import click
 
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError, ConfigError
+from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
@@ -136,6 +137,7 @@ async def _serve(
         click.echo(f"  run        {run.name} ({run.model.n_stages} stages)")
         click.echo(f"  database   {store.url}")
         click.echo(f"  serving    {address}")
+        settle_startup_heap()
         click.echo(f"  dashboard  {url}")
         for line in exposure.describe():
             click.echo(line)

@@ -12,6 +12,7 @@ import click
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
+from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.metrics_exposure import MetricsExposure
@@ -126,6 +127,7 @@ async def _start(trainer: Trainer) -> None:
 async def _follow(trainer: Trainer, training: asyncio.Task, status_interval_s: float) -> None:
     """A status line every ``status_interval_s`` until ``training`` ends (or is cancelled)."""
     click.echo(f"  workers    {[len(b.workers) for b in trainer.balancers]} per stage; training")
+    settle_startup_heap()
     while not training.done():
         await asyncio.wait([training], timeout=status_interval_s)
         click.echo(status_line(trainer))

@@ -13,6 +13,7 @@ from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.contract import Phase, StageRole
 from agora_core.errors import AgoraError
+from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -138,6 +139,7 @@ async def _serve(worker: Worker, settings: NodeSettings, stop: asyncio.Event) ->
 
 def _print_started(worker: Worker, address: str, exposure: MetricsExposure) -> None:
     click.echo(f"  serving    {address}")
+    settle_startup_heap()
     click.echo(f"  device     {worker.device}, microbatches up to {worker.max_batch} samples")
     joined = worker.joined
     source = {"peers": "downloaded from live replicas", "checkpoint": "resumed from a checkpoint"}

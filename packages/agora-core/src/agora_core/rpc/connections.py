@@ -24,12 +24,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agora_core.addresses import normalize_address
 from agora_core.auth.curve import curve_public_key
-from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
 from agora_core.errors import PeerRefused, PeerUnreachable, RpcError, WireError, rpc_error_from_code
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.rpc.peer_connection import PeerConnection
 from agora_core.rpc.streams import ClientStream
 from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
 from agora_core.rpc.types import RpcConfig, Traffic
@@ -55,37 +55,6 @@ for _event in _HANDSHAKE_FAILED:
 _GREETING_IDS = 1 << 62  # request ids of greetings: apart from the calls' (which count from 1)
 
 
-class _Peer:
-    """One connection: its routing id on the client socket and the calls waiting on it."""
-
-    def __init__(self, address: str, routing_id: bytes):
-        self.address = address
-        self.routing_id = routing_id
-        self.opened = time.monotonic()
-        self.public_key: bytes | None = None  # the key the node there must hold (secured)
-        self.credentialed = True  # ... and whether it must hold a credential too
-        self.identity: PeerIdentity | None = None  # who it proved to be (secured)
-        self.greeting = False  # a greeting is on its way
-        self.connected = False
-        self.error: Exception | None = None  # why the connection was dropped
-        self.settled = asyncio.Event()  # connected, or dropped: either ends a wait to connect
-        self.pending: dict[int, asyncio.Future] = {}
-        self.streams: dict[int, ClientStream] = {}
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.pending or self.streams)
-
-    def fail_all(self, error: Exception) -> None:
-        self.error = error
-        self.settled.set()
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
-        for stream in self.streams.values():
-            stream.resolve(error)
-
-
 class ClientConnections:
     """The client's socket and its connections to peers; :class:`RpcClient` (a subclass) adds
     the calls, registering each on its peer's ``pending``/``streams`` and sending through
@@ -106,8 +75,8 @@ class ClientConnections:
         self.security = security
         self._greeting_ids = itertools.count(_GREETING_IDS)
         self._watching: asyncio.Task | None = None
-        self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()  # LRU order
-        self._by_routing_id: dict[bytes, _Peer] = {}
+        self._peers: collections.OrderedDict[str, PeerConnection] = collections.OrderedDict()  # LRU order
+        self._by_routing_id: dict[bytes, PeerConnection] = {}
         self._routing_ids = itertools.count(1)
         self._pump: SocketPump | None = None
         self._monitor: SocketPump | None = None
@@ -149,7 +118,7 @@ class ClientConnections:
             self._pump.start()
         return self._pump
 
-    def _peer(self, address: str) -> _Peer:
+    def _peer(self, address: str) -> PeerConnection:
         address = normalize_address(address)
         peer = self._peers.get(address)
         if peer is not None:
@@ -159,7 +128,7 @@ class ClientConnections:
         if len(self._peers) >= self.config.max_connections:
             for idle in [p for p in self._peers.values() if not p.busy][:1]:
                 self._drop(idle, None)  # the least recently used idle connection
-        peer = _Peer(address, b"p%d" % next(self._routing_ids))
+        peer = PeerConnection(address, b"p%d" % next(self._routing_ids))
         if self.security is not None:
             peer.public_key, peer.credentialed = self.security.server_key(address)
             sock.curve_serverkey = curve_public_key(peer.public_key)  # read by the connect below
@@ -170,7 +139,7 @@ class ClientConnections:
         self._m_connections.set(len(self._peers))
         return peer
 
-    def _drop(self, peer: _Peer, error: Exception | None) -> None:
+    def _drop(self, peer: PeerConnection, error: Exception | None) -> None:
         """Forget a connection: fail its calls, close it so zmq stops reconnecting."""
         if peer.error is not None:
             return  # dropped already: keep the first reason
@@ -208,7 +177,7 @@ class ClientConnections:
 
     # --- greetings (authorized runs): credentials both ways on every connection ------------------
 
-    async def _greet(self, peer: _Peer) -> None:
+    async def _greet(self, peer: PeerConnection) -> None:
         """Present our credential and check the server's; the connection is usable once both
         hold (PeerRefused and dropped otherwise). Run again when a credential is renewed."""
         peer.greeting = True
@@ -281,7 +250,7 @@ class ClientConnections:
         the connect timeout), so that a call timed next measures the round trip alone."""
         await self._wait_connected(self._peer(address), time.monotonic() + self.config.connect_timeout_s)
 
-    async def _wait_connected(self, peer: _Peer, deadline: float) -> None:
+    async def _wait_connected(self, peer: PeerConnection, deadline: float) -> None:
         if not peer.settled.is_set():
             give_up_at = peer.opened + self.config.connect_timeout_s
             try:
@@ -302,7 +271,7 @@ class ClientConnections:
         if peer.error is not None:
             raise peer.error
 
-    def _frames(self, peer: _Peer, message: Message) -> list:
+    def _frames(self, peer: PeerConnection, message: Message) -> list:
         """``message`` encoded for ``peer``: its routing id first."""
         message.sender = self.node_id
         frames = encode(message, self.config.wire)
@@ -310,25 +279,25 @@ class ClientConnections:
         frames.insert(0, peer.routing_id)
         return frames
 
-    def _put_nowait(self, peer: _Peer, frames: list) -> bool:
+    def _put_nowait(self, peer: PeerConnection, frames: list) -> bool:
         """Send at once if zmq takes it (the common case: no coroutine); False: :meth:`_put` it."""
         try:
             return self._socket().send_nowait(frames)
         except ConnectionError:
             raise PeerUnreachable(f"connection to {peer.address} is gone") from None
 
-    async def _put(self, peer: _Peer, frames: list, deadline: float | None = None) -> None:
+    async def _put(self, peer: PeerConnection, frames: list, deadline: float | None = None) -> None:
         try:
             await self._socket().send(frames, deadline)
         except ConnectionError:
             raise PeerUnreachable(f"connection to {peer.address} is gone") from None
 
-    async def _send(self, peer: _Peer, message: Message, deadline: float | None = None) -> None:
+    async def _send(self, peer: PeerConnection, message: Message, deadline: float | None = None) -> None:
         frames = self._frames(peer, message)
         if not self._put_nowait(peer, frames):
             await self._put(peer, frames, deadline)
 
-    def _send_soon(self, peer: _Peer, message: Message) -> None:
+    def _send_soon(self, peer: PeerConnection, message: Message) -> None:
         """Fire-and-forget (cancel notices); failures only matter to a peer that is gone."""
         if peer.routing_id not in self._by_routing_id:
             return

@@ -21,15 +21,13 @@ import zmq
 
 from agora_core.addresses import normalize_address
 from agora_core.auth.access import CREDENTIALED, Access
-from agora_core.auth.security import HELLO_METHOD, TransportSecurity
+from agora_core.auth.security import TransportSecurity
 from agora_core.errors import (
     BadRequest,
     DeadlineExceeded,
     HandlerFailed,
-    Overloaded,
     RpcError,
     StreamError,
-    UnknownMethod,
     WireError,
 )
 from agora_core.linkemu import LinkEmulator
@@ -40,6 +38,7 @@ from agora_core.rpc.server_calls import (
     Handler,
     error_message,
     handler_failure,
+    refusal_before_start,
     reject_reason,
     response_message,
 )
@@ -176,6 +175,10 @@ class RpcServer:
 
     # --- incoming messages (runs on the socket's receive task) -----------------------------
 
+    def _busy(self) -> str | None:
+        inflight = len(self._calls)
+        return f"{inflight} requests in flight" if inflight >= self.config.max_inflight_requests else None
+
     def _reject(self, reason: str) -> None:
         self._metrics.rejected(reason)
 
@@ -231,39 +234,25 @@ class RpcServer:
         handler = self._handlers.get(message.method)
         caller, sender = None, message.sender
         if self._guard is not None:
-            user_id = first.get("User-Id")  # the connection's key, as the ZAP handler named it
-            if message.method == HELLO_METHOD:
-                # answered at once, not in a task: the calls the caller sends right after it
-                # on the same connection must find it credentialed already
-                answer = self._guard.greet(user_id, message.meta, [h.access for h in self._handlers.values()])
-                if isinstance(answer, RpcError):
-                    self._reject(answer.code)
-                    return self._reply_error(identity, rid, answer)
-                return self._reply(identity, Message(kind=Kind.RESPONSE, request_id=rid, meta=answer))
-            caller = self._guard.security.caller(user_id, time.time())
+            caller, answer = self._guard.screen(first, message, handler, self._handlers.values())
+            if isinstance(answer, RpcError):
+                self._reject(answer.code)
+                return self._reply_error(identity, rid, answer)
+            if answer is not None:  # the greeting's: sent at once, not from a task (see screen)
+                return self._reply(identity, answer)
             sender = caller.node_id if caller is not None else ""
-        if self._guard is not None and handler is not None:
-            refusal = handler.access.refusal(caller, message.method)
-            if refusal is not None:
-                self._reject(refusal.code)
-                return self._reply_error(identity, rid, refusal)
-        if key in self._calls:
-            self._reject("duplicate")
-            return self._reply_error(identity, rid, BadRequest(f"request id {rid} is already in flight"))
-        if handler is None:
-            self._reject("unknown_method")
-            served = ", ".join(self.methods) or "nothing"
-            return self._reply_error(
-                identity, rid, UnknownMethod(f"no method {message.method!r} here; serving: {served}")
-            )
-        if self._closing or len(self._calls) >= self.config.max_inflight_requests:
-            self._reject("overloaded")
-            why = "shutting down" if self._closing else f"{len(self._calls)} requests in flight"
-            return self._reply_error(identity, rid, Overloaded(f"server refused the request: {why}"))
         remaining = message.deadline_s if message.deadline_s is not None else self.config.default_timeout_s
-        if remaining <= 0:
-            self._reject("expired")
-            return self._reply_error(identity, rid, DeadlineExceeded("request arrived after its deadline"))
+        refused = refusal_before_start(
+            message,
+            handler,
+            duplicate=key in self._calls,
+            served=self._handlers,
+            busy="shutting down" if self._closing else self._busy(),
+            remaining_s=remaining,
+        )
+        if refused is not None:
+            self._reject(refused[0])
+            return self._reply_error(identity, rid, refused[1])
         try:
             tensors = decode_tensors(header, data, self.config.wire.limits)
         except WireError as exc:
@@ -302,14 +291,9 @@ class RpcServer:
         self._metrics.inflight.inc()
         loop = asyncio.get_running_loop()
         call.task = loop.create_task(self._run(key, identity, handler, request, call, running))
-        call.timer = loop.call_at(request.deadline, self._deadline_passed, call)
+        call.timer = loop.call_at(request.deadline, call.deadline_reached)
         # A done callback, not a finally: it also runs for a task cancelled before it started.
         call.task.add_done_callback(lambda _task: self._forget(key))
-
-    @staticmethod
-    def _deadline_passed(call: Call) -> None:
-        call.deadline_passed = True
-        call.task.cancel()
 
     def _forget(self, key) -> None:
         call = self._calls.pop(key, None)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from agora_core.auth.access import Access
 from agora_core.errors import (
     BadRequest,
+    DeadlineExceeded,
     HandlerFailed,
     LimitExceeded,
+    Overloaded,
     RpcError,
+    UnknownMethod,
     UnsupportedProtocolVersion,
     WireError,
 )
@@ -51,6 +54,10 @@ class Call:
     outcome: str = "cancelled"  # until the handler's task says otherwise
     started: float = 0.0
 
+    def deadline_reached(self) -> None:
+        self.deadline_passed = True
+        self.task.cancel()
+
 
 def response_message(rid: int, result) -> Message:
     """The reply carrying what a handler returned (a Payload, or None for an empty one)."""
@@ -73,3 +80,26 @@ def handler_failure(method: str, exc: Exception) -> RpcError:
         return BadRequest(str(exc))
     log.warning("handler_failed", method=method, error=f"{type(exc).__name__}: {exc}")  # a bug
     return HandlerFailed(f"{type(exc).__name__}: {exc}")
+
+
+def refusal_before_start(
+    message: Message,
+    handler: Handler | None,
+    *,
+    duplicate: bool,
+    served: Iterable[str],
+    busy: str | None,
+    remaining_s: float,
+) -> tuple[str, RpcError] | None:
+    """Why a request is answered without running a handler (the rejection counter's reason and
+    the caller's error), or None. ``busy``: why the server takes no more calls now."""
+    if duplicate:
+        return "duplicate", BadRequest(f"request id {message.request_id} is already in flight")
+    if handler is None:
+        listed = ", ".join(sorted(served)) or "nothing"
+        return "unknown_method", UnknownMethod(f"no method {message.method!r} here; serving: {listed}")
+    if busy is not None:
+        return "overloaded", Overloaded(f"server refused the request: {busy}")
+    if remaining_s <= 0:
+        return "expired", DeadlineExceeded("request arrived after its deadline")
+    return None

@@ -21,6 +21,7 @@ from agora_core.errors import DeadlineExceeded
 from agora_core.linkemu import LinkEmulator
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc.connections import ClientConnections
+from agora_core.rpc.deadlines import DeadlineBuckets
 from agora_core.rpc.streams import ClientStream
 from agora_core.rpc.types import Payload, RpcConfig
 from agora_core.wire import Kind, Message
@@ -72,6 +73,7 @@ class RpcClient(ClientConnections):
             config=config or RpcConfig(), link=link, metrics=metrics, node_id=node_id, security=security
         )
         self._request_ids = itertools.count(1)
+        self._deadlines = DeadlineBuckets(_expire)
 
     async def __aenter__(self) -> RpcClient:
         return self
@@ -113,8 +115,7 @@ class RpcClient(ClientConnections):
         peer.pending[rid] = future
         outcome = "ok"
         sent = False
-        # One timer per call: on expiry it fails the future (cheaper than asyncio.timeout).
-        timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
+        self._deadlines.add(deadline, peer.pending, rid)  # on expiry it fails the future
         try:
             if peer.error is not None or not peer.connected:  # else: no coroutine to await
                 await self._wait_connected(peer, deadline)
@@ -137,7 +138,6 @@ class RpcClient(ClientConnections):
             outcome = getattr(exc, "code", type(exc).__name__)
             raise
         finally:
-            timer.cancel()
             if future.done() and not future.cancelled():
                 future.exception()  # failed while we waited elsewhere (connecting): seen here
             peer.pending.pop(rid, None)

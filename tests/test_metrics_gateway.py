@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agora_authorizer.testing import authorizer_process
 from agora_core.auth.testing import SMALL_MODEL
 from agora_core.testing import ChildProcess, spawn_python, wait_until
-from agora_core.testing_prometheus import PushGateway, check_metrics, pushgateway_process
+from agora_core.testing_prometheus import PushGateway, check_metrics
 from agora_trainer.shards import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 
@@ -39,12 +39,6 @@ probe_timeout_s = 0.1
 suspicion_timeout_s = 1.0
 op_timeout_s = 1.0
 """
-
-
-@pytest.fixture(scope="module")
-def gateway():
-    with pushgateway_process() as running:
-        yield running
 
 
 @pytest.fixture

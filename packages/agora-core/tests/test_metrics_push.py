@@ -22,12 +22,6 @@ INTERVAL_S = 0.05
 WAIT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def gateway():
-    with pushgateway_process() as running:
-        yield running
-
-
 def node(instance: str) -> tuple[NodeMetrics, object]:
     metrics = NodeMetrics(role="worker", stage=1, instance=instance)
     return metrics, metrics.counter("agora_test_events_total", "Events.")

@@ -29,5 +29,5 @@ def unpack(meta: Any, tensors: dict[str, Any]) -> list | None:
     if data is None:
         listed = meta.get("members") if isinstance(meta, dict) else None
         return listed if isinstance(listed, list) else None
-    entries = bulk.unpack_tensor(data, max_bytes=MAX_LIST_BYTES, max_entries=MAX_LISTED, max_map_entries=16)
+    entries = bulk.unpack_packed(data, max_bytes=MAX_LIST_BYTES, max_entries=MAX_LISTED, max_map_entries=16)
     return entries if isinstance(entries, list) else None

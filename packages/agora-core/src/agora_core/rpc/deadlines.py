@@ -36,6 +36,3 @@ class DeadlineBuckets:
             future = pending.get(rid)
             if future is not None and not future.done():
                 self._expire(future)
-
-    def __len__(self) -> int:
-        return sum(len(bucket) for bucket in self._buckets.values())

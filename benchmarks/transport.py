@@ -5,18 +5,20 @@
 
 Figures:
   (a) 64 MiB tensor request/response throughput vs raw PUSH/PULL of the same bytes
-  (b) small-request round trip p50/p99 vs raw REQ/REP (asyncio sockets, the model every Agora
-      node uses; the blocking-socket figure is printed for reference). The ping handler is a
-      plain function, answered on the server's receive path as the DHT's lookups are; the same
-      call to a coroutine handler (a task per request) is printed for reference
+  (b) small-request round trip p50/p99 vs raw REQ/REP with asyncio sockets at both ends (the
+      model every Agora node uses: an event loop between receive and reply). For reference: an
+      asyncio REQ against a blocking REP server (no event loop on the server side: the
+      baseline of earlier versions of this benchmark) and blocking sockets at both ends. The
+      ping handler is a plain function, answered on the server's receive path as the DHT's
+      lookups are; the same call to a coroutine handler (a task per request) is printed too
   (c) per-chunk LZ4 policy: effective throughput on random float32 with the policy vs without,
       and bytes on the wire for zero-heavy data with the policy vs without
   (d) authenticated (a): CURVE encryption, credential greeting, caller checked on every
       request, vs bare pyzmq CURVE PUSH/PULL of the same bytes (and vs plain Agora of (a))
-  (e) authenticated (b): small-request round trip p50/p99 vs bare CURVE asyncio REQ/REP (and
-      vs plain Agora of (b))
+  (e) authenticated (b): small-request round trip p50/p99 vs bare CURVE asyncio REQ/REP (both
+      ends asyncio; a blocking CURVE REP server for reference) and vs plain Agora of (b)
 
-Every server runs in its own process, the client in this one, over loopback TCP. Each figure
+Every server runs in its own process (``_transport_servers.py``), the client in this one, over loopback TCP. Each figure
 is the median over several interleaved rounds (the machine is shared and noisy).
 """
 
@@ -24,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,95 +35,19 @@ import zmq
 import zmq.asyncio
 
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from _secured import (
-    AUTHORIZER_SEED_ENV,
-    SERVER_SEED_ENV,
-    curve_client,
-    curve_server,
-    key_from_env,
-    new_seeds,
-    security_of,
-)
+from _secured import AUTHORIZER_SEED_ENV, SERVER_SEED_ENV, curve_client, key_from_env, new_seeds, security_of
 from agora_core.auth.security import TransportSecurity
 from agora_core.codec import CompressionPolicy
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
-from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
+from agora_core.rpc import RpcClient, RpcConfig
 from agora_core.testing import spawn_python
 from agora_core.wire import Kind, Message, WireConfig, encode
 
 MiB = 1 << 20
 BIG = 64 * MiB
-SCRIPT = str(Path(__file__).resolve())
+SERVERS = str(Path(__file__).resolve().with_name("_transport_servers.py"))
 NO_LZ4 = RpcConfig(wire=WireConfig(compression=CompressionPolicy(enabled=False)))
-
-
-# --- servers (each runs as `transport.py --serve KIND` in its own process) --------------------
-
-
-async def serve_agora(key: NodeKey | None) -> None:
-    """``key`` (every server's): its NodeKey when it serves the authenticated figures
-    (``--secure``, seeds in the environment), else None."""
-    security = None if key is None else security_of(key, key_from_env(AUTHORIZER_SEED_ENV))
-    server = RpcServer(listen="127.0.0.1:0", security=security)
-
-    def ping(request):  # a plain function: answered on the receive path, as the DHT's lookups
-        return Payload(request.meta)
-
-    async def ping_task(request):  # a coroutine handler: a task per request
-        return Payload(request.meta)
-
-    async def sink(request):
-        return Payload({"nbytes": sum(t.nbytes for t in request.tensors.values())})
-
-    server.register("ping", ping)
-    server.register("ping_task", ping_task)
-    server.register("sink", sink)
-    print(f"ADDRESS {await server.start()}", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await server.stop()
-
-
-def _exit_when_stdin_closes() -> None:
-    """The parent closes our stdin to stop us; blocking servers watch it from a thread."""
-
-    def watch():
-        sys.stdin.read()
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def serve_rep(key: NodeKey | None) -> None:
-    _exit_when_stdin_closes()
-    sock = zmq.Context.instance().socket(zmq.REP)
-    if key is not None:
-        curve_server(sock, key)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    print(f"ADDRESS tcp://127.0.0.1:{port}", flush=True)
-    while True:
-        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-
-
-def serve_pull(key: NodeKey | None) -> None:
-    """PULL the bytes; after each batch (announced by a 1-frame b"n" message), ack on PUSH.
-    Secured, the data socket is a CURVE server (the tiny ack stays plain)."""
-    _exit_when_stdin_closes()
-    ctx = zmq.Context.instance()
-    pull, ack = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    if key is not None:
-        curve_server(pull, key)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ack_port = ack.bind_to_random_port("tcp://127.0.0.1")
-    print(f"ADDRESS tcp://127.0.0.1:{port} tcp://127.0.0.1:{ack_port}", flush=True)
-    received = 0
-    while True:
-        frame = pull.recv(copy=False)
-        if len(frame) == 1:
-            ack.send(str(received).encode())
-            received = 0
-        else:
-            received += len(frame)
 
 
 # --- measurements -------------------------------------------------------------------------
@@ -229,19 +152,23 @@ async def run(report: Report, rounds: int, calls: int) -> None:
     payload = memoryview(noise).cast("B")
     seeds = new_seeds()  # (d), (e): the run's authorizer and the servers' key, for this run only
     authorizer, server_key = key_from_env(AUTHORIZER_SEED_ENV, seeds), key_from_env(SERVER_SEED_ENV, seeds)
-    secure = lambda kind: spawn_python([SCRIPT, "--serve", kind, "--secure"], env=seeds)  # noqa: E731
+    secure = lambda kind: spawn_python([SERVERS, kind, "--secure"], env=seeds)  # noqa: E731
     with (
-        spawn_python([SCRIPT, "--serve", "agora"]) as agora_node,
-        spawn_python([SCRIPT, "--serve", "rep"]) as rep_node,
-        spawn_python([SCRIPT, "--serve", "pull"]) as pull_node,
+        spawn_python([SERVERS, "agora"]) as agora_node,
+        spawn_python([SERVERS, "rep"]) as rep_node,
+        spawn_python([SERVERS, "rep-async"]) as rep_async_node,
+        spawn_python([SERVERS, "pull"]) as pull_node,
         secure("agora") as auth_node,
         secure("rep") as curve_rep_node,
+        secure("rep-async") as curve_rep_async_node,
         secure("pull") as curve_pull_node,
     ):
         agora_address = agora_node.read_until("ADDRESS ")
         rep_address = rep_node.read_until("ADDRESS ")
+        rep_async_address = rep_async_node.read_until("ADDRESS ")
         auth_address = auth_node.read_until("ADDRESS ")
         curve_rep_address = curve_rep_node.read_until("ADDRESS ")
+        curve_rep_async_address = curve_rep_async_node.read_until("ADDRESS ")
         ctx = zmq.Context.instance()
         push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         curve_push, curve_ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -298,16 +225,19 @@ async def run(report: Report, rounds: int, calls: int) -> None:
 
             # (b) and (e): small requests
             report.note(f"round trips: {rounds} rounds x {calls * 200} small requests")
-            ours, raw_async, raw_block, auth, curve_async, tasked = [], [], [], [], [], []
+            ours, raw_async, raw_hybrid, raw_block, tasked = [], [], [], [], []
+            auth, curve_async, curve_hybrid = [], [], []
             connect_plain, connect_auth, connect_curve = [], [], []  # (e): fresh connections
             n = calls * 200
             for i in range(rounds):
                 ours += await agora_rtts(client, agora_address, n)
                 tasked += await agora_rtts(client, agora_address, n // 4, "ping_task")
-                raw_async += await raw_async_rtts(rep_address, n)
+                raw_async += await raw_async_rtts(rep_async_address, n)
+                raw_hybrid += await raw_async_rtts(rep_address, n)
                 raw_block += raw_blocking_rtts(rep_address, n)
+                curve_hybrid += await raw_async_rtts(curve_rep_address, n, server_key.public_key)
                 pair = [(auth, agora_rtts(secured, auth_address, n))]
-                pair.append((curve_async, raw_async_rtts(curve_rep_address, n, server_key.public_key)))
+                pair.append((curve_async, raw_async_rtts(curve_rep_async_address, n, server_key.public_key)))
                 for rtts, measure in pair if i % 2 == 0 else pair[::-1]:
                     rtts += await measure
                 connect_plain.append(await first_call_s(agora_address))
@@ -316,6 +246,12 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 rtt = await raw_async_rtts(curve_rep_address, 0, server_key.public_key, with_connect=True)
                 connect_curve += rtt
             compare_rtts(report, "small_request_rtt", ours, raw_async, "raw asyncio REQ/REP")
+            report.compare(  # the server side without an event loop: what asyncio costs there
+                "small_request_rtt_p50_vs_asyncio_req_blocking_rep",
+                percentile(ours, 50) * 1e6,
+                percentile(raw_hybrid, 50) * 1e6,
+                "us",
+            )
             report.compare(
                 "small_request_rtt_p50_vs_blocking_rep",
                 percentile(ours, 50) * 1e6,
@@ -363,6 +299,12 @@ async def run(report: Report, rounds: int, calls: int) -> None:
             report.compare("auth_tensor_64MiB_vs_plain_agora", gbps(t_auth), gbps(t_agora), "GB/s")
             compare_rtts(report, "auth_small_request_rtt", auth, curve_async, "bare CURVE asyncio REQ/REP")
             report.compare(
+                "auth_small_request_rtt_p50_vs_curve_asyncio_req_blocking_rep",
+                percentile(auth, 50) * 1e6,
+                percentile(curve_hybrid, 50) * 1e6,
+                "us",
+            )
+            report.compare(
                 "auth_small_request_rtt_p50_vs_plain_agora",
                 percentile(auth, 50) * 1e6,
                 percentile(ours, 50) * 1e6,
@@ -389,14 +331,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
     parser.add_argument("--calls", type=int, default=4, help="64 MiB transfers per round")
-    parser.add_argument("--serve", choices=["agora", "rep", "pull"], help=argparse.SUPPRESS)
-    parser.add_argument("--secure", action="store_true", help=argparse.SUPPRESS)  # with --serve
     args = parser.parse_args()
-    if args.serve is not None:
-        key = key_from_env(SERVER_SEED_ENV) if args.secure else None
-        if args.serve == "agora":
-            return asyncio.run(serve_agora(key))
-        return {"rep": serve_rep, "pull": serve_pull}[args.serve](key)
     report = Report("transport", as_json=args.json)
     asyncio.run(run(report, args.rounds, args.calls))
     report.finish()

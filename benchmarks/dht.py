@@ -14,7 +14,8 @@ For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
   * steady state: messages and bytes per node per second (flat or logarithmic in N)
   * authenticated (sizes up to --auth-max-size, 64 by default): the same latencies in a swarm
     of an authorized run (CURVE connections, credentialed members, signed claims and records)
-    against the plain swarm's (target: get p99 <= 1.2x). Past 64 the in-process swarm is
+    against the plain swarm's (target: get p99 <= 1.2x). Both swarms run side by side and
+    take turns round by round, so the machine's load falls on both alike. Past 64 the in-process swarm is
     bound by this one process: 128 nodes may keep only 46 connections each open (file
     descriptors), so members outside a node's pool are re-dialled for every probe, and every
     authenticated dial costs a CURVE handshake and a credential greeting both ways; on two
@@ -56,7 +57,7 @@ from agora_core.testing import spawn_python
 # The run config's defaults (1 s periods, 5 s suspicion timeout): a real swarm's cadence, and
 # enough headroom for 128 nodes sharing one event loop on two cores.
 CONFIG = DhtConfig()
-ROUNDS = 3  # latency figures: the median of this many rounds of --ops operations
+ROUNDS = 5  # latency figures: the median of this many rounds of --ops operations
 
 
 def write_config(folder: str) -> str:
@@ -182,8 +183,12 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float, authen
         report.add(f"N={size} steady_messages_per_node", messages, "msg/s")
         report.add(f"N={size} steady_bytes_per_node", nbytes, "B/s")
 
-        # latency: one RPC round trip vs store and get, interleaved, same swarm, same time
-        plain = await latencies(swarm, ops, rng, size)
+        # latency: one RPC round trip vs store and get, interleaved, same swarm, same time; an
+        # authorized run's swarm of the same size alongside, its rounds interleaved with these
+        if authenticated:
+            plain = await measure_authenticated(report, swarm, size, ops, latency_ms)
+        else:
+            plain = (await latencies([swarm], ops, rng))[0]
         rtt50, rtt99 = plain["rpc"]
         report.add(f"N={size} rpc_round_trip_p50", rtt50, "ms")
         for name in ("get", "store"):
@@ -211,36 +216,45 @@ async def measure(report: Report, size: int, ops: int, latency_ms: float, authen
             frozen[2].close()
     finally:
         await swarm.stop()
-    if authenticated:
-        await measure_authenticated(report, size, ops, latency_ms, plain)
 
 
 async def latencies(
-    swarm: Swarm, ops: int, rng: random.Random, size: int, rounds: int = ROUNDS
-) -> dict[str, tuple[float, float]]:
-    """(p50, p99) in ms of one plain RPC round trip, a store and a get, interleaved, once every
-    node has called every other: steady-state figures, not the cost of opening connections
-    (a connection is opened once in a node's life; an authenticated one costs a few ms more).
-    Each is the median over ``rounds`` rounds of ``ops`` operations: a p99 of a few hundred
-    samples is one stall or another, and the median of rounds is what two runs agree on."""
-    for a in swarm.nodes:  # as many as the in-process connection pool keeps open
-        others = [b for b in swarm.nodes if b is not a][: swarm.rpc.max_connections]
-        for start in range(0, len(others), 16):
-            calls = (
-                a.client.call(b.address, Method.DHT_GET, {"keys": []}) for b in others[start : start + 16]
-            )
-            await asyncio.gather(*calls)
+    swarms: list[Swarm], ops: int, rng: random.Random, rounds: int = ROUNDS
+) -> list[dict[str, tuple[float, float]]]:
+    """Per swarm, (p50, p99) in ms of one plain RPC round trip, a store and a get, interleaved,
+    once every node has called every other: steady-state figures, not the cost of opening
+    connections (a connection is opened once in a node's life; an authenticated one costs a
+    few ms more). Each is the median over ``rounds`` rounds of ``ops`` operations: a p99 of a
+    few hundred samples is one stall or another, and the median of rounds is what two runs
+    agree on. Several swarms take turns round by round (the first going first every other
+    round), so a burst of load on the machine falls on all of them alike."""
+    for swarm in swarms:
+        for a in swarm.nodes:  # as many as the in-process connection pool keeps open
+            others = [b for b in swarm.nodes if b is not a][: swarm.rpc.max_connections]
+            for start in range(0, len(others), 16):
+                calls = (
+                    a.client.call(b.address, Method.DHT_GET, {"keys": []}) for b in others[start : start + 16]
+                )
+                await asyncio.gather(*calls)
     expiration = time.time() + 600
-    keys: list[str] = []
-    per_round = [await _one_round(swarm, ops, rng, size, expiration, keys, r) for r in range(rounds)]
-    return {
-        name: tuple(float(np.median([figures[name][q] for figures in per_round])) for q in (0, 1))
-        for name in ("rpc", "store", "get")
-    }
+    keys: list[list[str]] = [[] for _ in swarms]
+    per_round: list[list[dict]] = [[] for _ in swarms]
+    for r in range(rounds):
+        order = list(range(len(swarms)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            tag = f"{i}/{r}"
+            per_round[i].append(await _one_round(swarms[i], ops, rng, expiration, keys[i], tag))
+    return [
+        {
+            name: tuple(float(np.median([figures[name][q] for figures in rounds_of])) for q in (0, 1))
+            for name in ("rpc", "store", "get")
+        }
+        for rounds_of in per_round
+    ]
 
 
 async def _one_round(
-    swarm: Swarm, ops: int, rng: random.Random, size: int, expiration: float, keys: list[str], index: int
+    swarm: Swarm, ops: int, rng: random.Random, expiration: float, keys: list[str], tag: str
 ) -> dict[str, tuple[float, float]]:
     rtts, stores, gets = [], [], []
     for i in range(ops):
@@ -248,7 +262,7 @@ async def _one_round(
         t = time.perf_counter()
         await a.client.call(b.address, Method.DHT_GET, {"keys": []})  # a minimal handler
         rtts.append(time.perf_counter() - t)
-        key = f"bench/{size}/{index}/{i}"
+        key = f"bench/{len(swarm.nodes)}/{tag}/{i}"
         t = time.perf_counter()
         await a.store(key, "v", i, expiration)
         stores.append(time.perf_counter() - t)
@@ -265,16 +279,18 @@ async def _one_round(
 
 
 async def measure_authenticated(
-    report: Report, size: int, ops: int, latency_ms: float, plain: dict[str, tuple[float, float]]
-) -> None:
-    """The same latencies in an authorized run's swarm of the same size, against the plain one's."""
-    rng = random.Random(size + 1)
-    swarm = Swarm(size, latency_ms, rng, authorizer=NodeKey.generate())
-    report.note(f"N={size}: starting the authenticated swarm")
+    report: Report, plain_swarm: Swarm, size: int, ops: int, latency_ms: float
+) -> dict[str, tuple[float, float]]:
+    """The latencies of ``plain_swarm`` and of an authorized run's swarm of the same size
+    started next to it, their rounds interleaved; reports the authenticated against the plain
+    and returns the plain ones."""
+    rng = random.Random(size + 1)  # as many nodes as the plain swarm has (its newcomer too)
+    swarm = Swarm(len(plain_swarm.nodes), latency_ms, rng, authorizer=NodeKey.generate())
+    report.note(f"N={size}: starting the authenticated swarm alongside")
     await swarm.start()
     try:
         await wait_for(swarm.converged, timeout_s=60 + size)
-        secured = await latencies(swarm, ops, rng, size)
+        plain, secured = await latencies([plain_swarm, swarm], ops, rng)
     finally:
         await swarm.stop()
     report.compare(f"N={size} auth_rpc_round_trip_p50", secured["rpc"][0], plain["rpc"][0], "ms")
@@ -287,6 +303,7 @@ async def measure_authenticated(
             "ms",
             target="ratio <= 1.2 vs the same without authentication",
         )
+    return plain
 
 
 async def report_crash(report: Report, swarm: Swarm, node_id: str, started: float, name: str, target: float):
@@ -323,7 +340,9 @@ async def run(report: Report, sizes: list[int], ops: int, latency_ms: float, aut
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 128])
-    parser.add_argument("--ops", type=int, default=300, help="stores and gets per round (3 rounds per size)")
+    parser.add_argument(
+        "--ops", type=int, default=300, help=f"stores and gets per round ({ROUNDS} rounds per size)"
+    )
     parser.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way link latency")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(

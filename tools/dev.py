@@ -186,9 +186,17 @@ def ensure_prometheus_tools() -> bool:
     )
 
 
+def ensure_iproute() -> None:
+    """The two-host test makes network namespaces with ``ip`` (iproute2): installed with apt
+    when missing and root. Not fatal: without root or ``ip`` that test says why it skips."""
+    if shutil.which("ip") is None and getattr(os, "geteuid", lambda: -1)() == 0:
+        _apt_install(("iproute2",), "the two-host test makes network namespaces with ip")
+
+
 def run_tests(extra: list[str]) -> int:
     if not ensure_postgres() or not ensure_prometheus_tools() or not ensure_browser():
         return 1
+    ensure_iproute()
     _say("linting (ruff check, ruff format --check)")
     for lint in (["check", "."], ["format", "--check", "."]):
         if subprocess.run([str(PYTHON), "-m", "ruff", *lint], cwd=ROOT).returncode != 0:

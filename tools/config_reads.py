@@ -45,6 +45,7 @@ CONFIG_MODULES = (
     RUN_PY,
     "packages/agora-core/src/agora_core/config/lifecycle.py",
     "packages/agora-core/src/agora_core/config/admission.py",
+    "packages/agora-core/src/agora_core/config/operator.py",
 )
 DISPLAY_ONLY = {"packages/agora-core/src/agora_core/cli.py": {"config_check"}}
 RUN_NAMES = {"run", "_run"}

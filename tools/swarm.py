@@ -53,6 +53,7 @@ from agora_core.config import load_run_config
 from agora_core.logs import configure_logging
 from agora_trainer.shards import open_shards
 from swarm_authorizer import authorize, db_url
+from swarm_operator import prepare_operator
 from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a script, from any cwd
     SwarmFile,
     alive,
@@ -244,6 +245,8 @@ def up(
     swarm = SwarmFile(str(run_dir), str(Path(config).resolve()), authorized=not open_run)
     if swarm.authorized:
         swarm.config = str(authorize(run_dir, config))  # every node runs on RUN_DIR/run.toml
+    # the operator's key (tools/inject.py --run-dir), and the config that makes nodes obey it
+    swarm.config = prepare_operator(run_dir, swarm.config, authorized=swarm.authorized)
     swarm.save()  # replaces the last run's file: what `finally` stops is this run's
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupted)  # `kill` stops the swarm like Ctrl-C does

@@ -174,6 +174,11 @@ class RunNode:
         if self.security is not None:
             self.security.verifier.observe(revocations)
 
+    def drop_link(self, seconds: float) -> None:
+        """Fault injection: this node sends and receives no RPC (DHT included) for ``seconds``."""
+        self.server.drop_link(seconds)
+        self.client.drop_link(seconds)
+
     async def serve(self) -> str:
         """Bind the RPC port and serve (no DHT yet: a node of an authorized run answers the
         authorizer's dial-back before it joins); returns the bound address. Once only."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError, StageMismatch
+from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
 from agora_trainer.balancer import StageBalancer, WorkerRef
@@ -68,8 +69,16 @@ class PipelineRouter:
         config: RoutingConfig,
         counters: Counters,
         metrics: NodeMetrics,
+        injections: InjectionPoints = NO_INJECTIONS,
     ):
+        """``injections``: where the operator's forward and backward triggers fire (before a
+        hop's call goes out)."""
         self._client = client
+        self._injections = injections
+        self.slowdown = Slowdown()  # injected: every hop takes factor x as long
+        # Injected: the next gradient this trainer sends is NaN (the worker's input check
+        # refuses it with BadRequest, and the sample is abandoned, counted and logged).
+        self.corrupt_next_gradient = False
         self._balancers = balancers
         self._config = config
         self.counters = counters
@@ -139,6 +148,8 @@ class PipelineRouter:
             finally:
                 lane.method = ""
             elapsed = time.perf_counter() - started
+            if self.slowdown.factor != 1.0:
+                await asyncio.sleep(self.slowdown.extra_s(elapsed))
             balancer.complete(token, 1, elapsed)
             self._m_hop.labels(to_stage=str(stage), method=method).observe(elapsed)
             return worker, reply
@@ -152,6 +163,8 @@ class PipelineRouter:
         boundary = None
         for stage in range(self.stages - 1):
             tensors = {"tokens": inputs} if boundary is None else {"tokens": inputs, "boundary": boundary}
+            if self._injections.armed:
+                self._injections.reached(Trigger.FORWARD)
             worker, reply = await self._call(lane, stage, Method.FORWARD, tensors)
             hops.append((worker, boundary))
             boundary = reply.tensors["boundary"]
@@ -163,6 +176,11 @@ class PipelineRouter:
         grad = reply.tensors["grad"]
         for stage in range(self.stages - 2, -1, -1):
             forward_worker, sent = hops[stage]
+            if self._injections.armed:
+                self._injections.reached(Trigger.BACKWARD)
+            if self.corrupt_next_gradient:
+                self.corrupt_next_gradient = False
+                grad = np.full_like(grad, np.nan)
             tensors = {"tokens": inputs, "grad": grad}
             if sent is not None:
                 tensors["boundary"] = sent

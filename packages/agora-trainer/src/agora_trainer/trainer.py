@@ -25,6 +25,7 @@ from agora_core.dht import DhtError
 from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
+from agora_core.injection import InjectionPoints, InjectionWatcher, NodeEffects
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -130,7 +131,18 @@ class Trainer:
             wait_for_worker_s=self.settings.wait_for_worker_s,
             pin_backward=self.settings.backward_routing == "pinned",
         )
-        self.router = PipelineRouter(self.client, self.balancers, routing, self.counters, self.metrics)
+        self.injections = InjectionPoints()  # where the operator's injected failures fire
+        self.router = PipelineRouter(
+            self.client, self.balancers, routing, self.counters, self.metrics, injections=self.injections
+        )
+        self.injection_watch = InjectionWatcher.for_node(
+            self.node,
+            run,
+            role="trainer",
+            stage=None,
+            points=self.injections,
+            effects=NodeEffects(slow=self.router.slowdown.set, corrupt_next_gradient=self._corrupt_next),
+        )
         self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
         self.lanes = [LaneState() for _ in range(self.settings.lanes)]
         self.revoked: set[str] = set()  # worker node ids on the run's revocation list
@@ -161,6 +173,7 @@ class Trainer:
         """Join the DHT, wait until admitted (at once in an open run) and until every stage has
         at least one worker."""
         await self.node.start()
+        await self.injection_watch.start()
         await self.admission.admitted()
         await self.refresh()
         loop = asyncio.get_running_loop()
@@ -179,6 +192,7 @@ class Trainer:
             await self.refresh()
 
     async def close(self) -> None:
+        await self.injection_watch.stop()
         self.cursor.save()
         if self._loss_log is not None:
             self._loss_log.close()
@@ -190,6 +204,9 @@ class Trainer:
             with _quiet():
                 await self.publish_progress()
         await self.node.stop(grace_s=1.0)
+
+    def _corrupt_next(self) -> None:
+        self.router.corrupt_next_gradient = True
 
     def request_stop(self) -> None:
         """Lanes finish the sample they hold, then stop; ``train`` returns."""

@@ -37,6 +37,7 @@ def worker_info(worker: Worker) -> dict:
         "checkpoint": None if worker.checkpoint_writer is None else worker.checkpoint_writer.info(),
         # serial, expires, refreshes, lost; None in an open run
         "credential": worker.admission.info(),
+        "injections": worker.injection_watch.info(),  # armed, scheduled, obeyed record ids
         "version": __version__,
         "time": time.time(),
     }

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from agora_core.auth.access import only
 from agora_core.config.run import ModelConfig
 from agora_core.contract import Method, Phase, StageRole
 from agora_core.errors import BadRequest, NotServing, StageMismatch
+from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.rpc import Payload, Request, RpcServer
 from agora_worker.runtime import Op, Runtime
 from agora_worker.tensors import activations, token_ids
@@ -33,15 +36,29 @@ class PipelineService:
         phase: Callable[[], Phase],
         trained: Callable[[], None],
         admitted: Callable[[], bool] = lambda: True,
+        injections: InjectionPoints = NO_INJECTIONS,
     ):
         """``phase()`` is the worker's phase now; ``trained()`` is called after each backward
         landed (stage progress checks whether the stage now holds a batch); ``admitted()``
-        whether it holds a valid credential of the run (always, in an open run)."""
+        whether it holds a valid credential of the run (always, in an open run);
+        ``injections``: where the operator's forward and backward triggers fire (a request
+        computed, its reply not yet sent)."""
         self._model, self._stage, self._role = model, stage, role
         self._boundary_width, self._max_batch = boundary_width, max_batch
         self._runtime, self._phase, self._trained = runtime, phase, trained
         self._admitted = admitted
+        self._injections = injections
         self.refused_while_invisible = 0  # batches a trainer sent though it could not see us
+        # An injected fault: the next gradient this worker returns is NaN. The worker before
+        # it in the pipeline refuses it (its input check: BadRequest "holds NaN"), the trainer
+        # abandons that sample, and this worker's own accumulated gradients stay clean.
+        self.corrupt_next_gradient = False
+
+    def _outgoing_gradient(self, grad: np.ndarray) -> np.ndarray:
+        if self.corrupt_next_gradient:
+            self.corrupt_next_gradient = False
+            return np.full_like(grad, np.nan)
+        return grad
 
     def register(self, server: RpcServer) -> None:
         # In an authorized run only trainers route batches (and the operator's tools evaluate).
@@ -92,6 +109,8 @@ class PipelineService:
             return Payload(tensors={"loss": result["loss"]})
         inputs = self._inputs(tensors, boundary=self._role != StageRole.HEAD)
         result = await self._runtime.submit(Op.FORWARD, inputs)
+        if self._injections.armed:
+            self._injections.reached(Trigger.FORWARD)
         return Payload(tensors={"boundary": result["boundary"]})
 
     async def _on_backward(self, request: Request) -> Payload:
@@ -101,7 +120,9 @@ class PipelineService:
         inputs = self._inputs(tensors, boundary=self._role != StageRole.HEAD, grad=True)
         result = await self._runtime.submit(Op.BACKWARD, inputs)
         self._trained()
-        return Payload(tensors={"grad": result["grad"]} if "grad" in result else {})
+        if self._injections.armed:
+            self._injections.reached(Trigger.BACKWARD)
+        return Payload(tensors={"grad": self._outgoing_gradient(result["grad"])} if "grad" in result else {})
 
     async def _on_forward_backward(self, request: Request) -> Payload:
         tensors = self._check(request)
@@ -110,4 +131,7 @@ class PipelineService:
         inputs = self._inputs(tensors, boundary=True, labels=True)
         result = await self._runtime.submit(Op.FORWARD_BACKWARD, inputs)
         self._trained()
-        return Payload(tensors={"loss": result["loss"], "grad": result["grad"]})
+        if self._injections.armed:  # the tail's one request is its forward and its backward
+            self._injections.reached(Trigger.FORWARD)
+            self._injections.reached(Trigger.BACKWARD)
+        return Payload(tensors={"loss": result["loss"], "grad": self._outgoing_gradient(result["grad"])})

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agora_core.injection import Slowdown
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_worker.backend import StageBackend
@@ -82,10 +83,13 @@ class Runtime:
         max_batch_samples: int,
         max_batch_tokens: int,
         metrics: NodeMetrics | None = None,
+        slowdown: Slowdown | None = None,
     ):
+        """``slowdown``: an injected one (``agora_core.injection``) stretches every batch."""
         if max_batch_samples < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_samples and max_batch_tokens must be >= 1")
         self.backend = backend
+        self.slowdown = slowdown or Slowdown()
         self.max_batch_samples = max_batch_samples
         self.max_batch_tokens = max_batch_tokens
         self._forward: collections.deque[Task] = collections.deque()
@@ -229,6 +233,8 @@ class Runtime:
             for task in batch:  # find the poisoned request: the others still get answers
                 self._run_batch([task])
             return
+        if self.slowdown.factor != 1.0:  # an injected slow device: the batch takes factor x as long
+            time.sleep(self.slowdown.extra_s(time.monotonic() - started))
         elapsed = time.monotonic() - started
         self.failures_in_a_row = 0
         samples = sum(task.samples for task in batch)

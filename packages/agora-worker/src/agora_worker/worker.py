@@ -20,6 +20,7 @@ from agora_core.contract import Method, Phase, StageRole
 from agora_core.dht import DhtError
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
+from agora_core.injection import InjectionPoints
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -34,6 +35,7 @@ from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.device_metrics import export_device_memory
 from agora_worker.info import worker_info
+from agora_worker.injections import watcher_for
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer, StepReport
@@ -78,6 +80,7 @@ class Worker:
         export_device_memory(self.metrics, self.device)  # a CUDA device's only
         self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
         self.role: StageRole = self.module.role
+        self.injections = InjectionPoints()  # where the operator's injected failures fire
         self.optimizer = HostOptimizer(
             self.module, run.optimizer, clip_threshold=run.clipping.threshold(stage, run.model.n_stages)
         )
@@ -142,6 +145,7 @@ class Worker:
             metrics=self.metrics,
             address=lambda: self.address or "",
             phase=lambda: self.phases.phase,
+            injections=self.injections,
         )
         self.progress = StageProgressTracker(
             dht=self.dht,
@@ -172,6 +176,7 @@ class Worker:
             phase=lambda: self.phases.phase,
             trained=self.progress.accumulated,
             admitted=lambda: self.admission.valid,
+            injections=self.injections,
         )
         self.pipeline.register(self.server)
         self.announcer = Announcer(
@@ -197,6 +202,7 @@ class Worker:
             policy=self.settings.download,
             resume=self._resume_from_checkpoint,
             announce=self.announcer.announce,
+            injections=self.injections,
         )
         self.joined: JoinOutcome | None = None
         self._tasks: list[asyncio.Task] = []
@@ -222,6 +228,7 @@ class Worker:
         # Self-termination: [termination] rules over the signals above; when one trips, the
         # worker withdraws, says why in the DHT and sets watchdog.fired (the CLI then exits).
         self.watchdog = watchdog_for(self)
+        self.injection_watch = watcher_for(self)  # the operator's records, read from the DHT
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -229,6 +236,7 @@ class Worker:
         """Serve, join the DHT, take up the stage's state (``Joiner``), wait until admitted (at
         once in an open run), announce, train."""
         self.address = await self.node.start()
+        await self.injection_watch.start()  # before joining: a download trigger must be armed
         self.runtime.start()
         self.joined = await self.joiner.join()
         await self.admission.admitted()  # queued meanwhile: the download overlapped the wait
@@ -263,6 +271,7 @@ class Worker:
     async def stop(self, *, grace_s: float | None = None) -> None:
         """Withdraw, leave the DHT, finish in-flight requests (up to ``grace_s``), stop."""
         grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        await self.injection_watch.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -3,6 +3,7 @@
 from agora_core.config.lifecycle import CheckpointConfig, JoinConfig, SyncConfig, TerminationConfig
 from agora_core.config.loader import build, require
 from agora_core.config.node import NodeSettings, resolve_settings
+from agora_core.config.operator import OperatorConfig
 from agora_core.config.run import (
     AdmissionConfig,
     AveragingConfig,
@@ -28,6 +29,7 @@ __all__ = [
     "JoinConfig",
     "ModelConfig",
     "NodeSettings",
+    "OperatorConfig",
     "OptimizerConfig",
     "RunConfig",
     "SurrogateConfig",

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 from agora_core.config.admission import AdmissionConfig
 from agora_core.config.lifecycle import CheckpointConfig, JoinConfig, SyncConfig, TerminationConfig
 from agora_core.config.loader import MiB, build, require
+from agora_core.config.operator import OperatorConfig
 from agora_core.config.unimplemented import refuse_not_implemented
 from agora_core.errors import ConfigError
 
@@ -255,6 +256,7 @@ class RunConfig:
     dht: DhtConfig = field(default_factory=DhtConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    operator: OperatorConfig = field(default_factory=OperatorConfig)
 
     def __post_init__(self) -> None:
         require(bool(self.name) and len(self.name) <= 64, "name", "must be 1-64 characters")

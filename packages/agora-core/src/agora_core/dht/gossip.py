@@ -30,6 +30,7 @@ from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
 
 MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
+REJOIN_TARGETS = 3  # addresses a cut-off node tries per period
 
 
 class Gossip:
@@ -49,6 +50,7 @@ class Gossip:
         self.config = config
         self.client = client
         self._rng = rng
+        self._cut_off = False  # every other member is dead here: rejoining (rejoin_if_cut_off)
         self.table = MemberTable(
             me,
             claims=claims,
@@ -116,23 +118,44 @@ class Gossip:
         deadline = time.monotonic() + self.config.join_timeout_s
         errors: dict[str, str] = {}
         while time.monotonic() < deadline:
-            for address in targets:
-                try:
-                    reply = await self.client.call(
-                        address,
-                        Method.DHT_JOIN,
-                        {"member": self.table.me.to_wire()},
-                        timeout_s=self.config.op_timeout_s,
-                    )
-                except RpcError as exc:
-                    errors[address] = str(exc)
-                    continue
-                self.table.apply_all(
-                    member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED
-                )
+            if await self._join_once(targets, self.config.op_timeout_s, errors):
                 return
             await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - time.monotonic())))
         raise DhtError(f"could not join through any of {targets}: {errors}")
+
+    async def _join_once(self, targets: Sequence[str], timeout_s: float, errors: dict[str, str]) -> bool:
+        """Ask each of ``targets`` in turn for the member list; True once one answered."""
+        for address in targets:
+            try:
+                reply = await self.client.call(
+                    address, Method.DHT_JOIN, {"member": self.table.me.to_wire()}, timeout_s=timeout_s
+                )
+            except RpcError as exc:
+                errors[address] = str(exc)
+                continue
+            self.table.apply_all(member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED)
+            return True
+        return False
+
+    async def rejoin_if_cut_off(self, bootstrap: Sequence[str]) -> bool:
+        """Rejoin when every other member is dead in this node's eyes: it was cut off (its link
+        dropped for longer than the suspicion timeout), the others declared it dead too, and
+        since nobody probes the dead, neither side would ever look again. Its verdicts become
+        hearsay, it claims again above the incarnation they hold it dead at, and joins through
+        its bootstrap addresses or the dead members' own. True once it is back."""
+        if self.table.leaving or self.table.others():
+            self._cut_off = False
+            return False
+        dead = self.table.doubt_own_verdicts()
+        me = self.table.me.address
+        targets = [a for a in dict.fromkeys([*bootstrap, *(m.address for m in dead)]) if a != me]
+        if not targets:
+            return False  # alone from the start: the first node of a swarm
+        if not self._cut_off:
+            self._cut_off = True
+            self.table.reclaim()
+        timeout_s = min(self.config.op_timeout_s, 4 * self.config.probe_timeout_s)
+        return await self._join_once(targets[:REJOIN_TARGETS], timeout_s, {})
 
     def _meta(self, to: Member | None = None) -> dict:
         updates = self.table.piggyback(self.config.piggyback_updates)

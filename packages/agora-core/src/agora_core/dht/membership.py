@@ -205,6 +205,22 @@ class MemberTable:
         self.claims.sign(self.me)
         self._queue(self.me)
 
+    def reclaim(self) -> None:
+        """Claim again at a raised incarnation, outranking whatever others hold about this
+        node (a node that was cut off long enough to be declared dead)."""
+        if not self.leaving:
+            self._raise_incarnation()
+
+    def doubt_own_verdicts(self) -> list[Member]:
+        """This node was cut off from everyone: the members it declared dead meanwhile may be
+        fine. Their tombstones become hearsay, so their own claims, heard again through the
+        swarm, bring them back (those truly dead stay dead: nobody claims for them). Returns
+        them (their addresses are where to look for the swarm)."""
+        dead = [m for m in self._members.values() if m.status == Status.DEAD and not m.revoked]
+        for member in dead:
+            member.hearsay = True
+        return dead
+
     def credential_changed(self) -> None:
         """Claim again with this node's fresh credential (a higher incarnation outranks the
         claim that named the old one)."""

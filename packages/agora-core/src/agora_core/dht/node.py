@@ -374,6 +374,8 @@ class DhtNode:
             self._changed.clear()
             tick += 1
             try:
+                if await self.gossip.rejoin_if_cut_off(self._bootstrap):
+                    log.info("dht_rejoined", node=self.node_id[:12], members=len(self.table.live()))
                 self.records.purge(time.time())
                 if changed and await self.replication.handoff():
                     self._changed.set()  # some records were not delivered: hand them over again

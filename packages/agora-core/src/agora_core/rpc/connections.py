@@ -118,6 +118,10 @@ class ClientConnections:
             self._pump.start()
         return self._pump
 
+    def drop_link(self, seconds: float) -> None:
+        """Fault injection: nothing in or out of this client for ``seconds`` (a dropped link)."""
+        self._socket().drop_for(seconds)
+
     def _peer(self, address: str) -> PeerConnection:
         address = normalize_address(address)
         peer = self._peers.get(address)

@@ -162,6 +162,11 @@ class RpcServer:
         if self._guard is not None:
             self._guard.close()
 
+    def drop_link(self, seconds: float) -> None:
+        """Fault injection: nothing in or out of this server for ``seconds`` (a dropped link)."""
+        if self._pump is not None:
+            self._pump.drop_for(seconds)
+
     async def __aenter__(self) -> RpcServer:
         await self.start()
         return self

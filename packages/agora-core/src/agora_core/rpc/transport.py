@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -99,6 +100,9 @@ class SocketPump:
         self._drain_scheduled = False
         self._up: DelayLine | None = None
         self._down: DelayLine | None = None
+        # Fault injection (a dropped link): until this time.monotonic(), messages are neither
+        # sent nor delivered. 0 is the one value the hot paths test, so it costs ~nothing.
+        self._silent_until = 0.0
         if link is not None and not link.config.is_ideal:
             self._up = link.upload_line(self._send_now)
             self._down = link.download_line(self._dispatch)
@@ -110,6 +114,19 @@ class SocketPump:
             if line is not None:
                 line.start()
         self._schedule_drain()
+
+    # --- a dropped link (fault injection) ------------------------------------------------------
+
+    def drop_for(self, seconds: float) -> None:
+        """Send and deliver nothing for ``seconds``: messages sent meanwhile vanish as on a cut
+        link (their callers time out), messages received meanwhile are read and discarded."""
+        self._silent_until = max(self._silent_until, time.monotonic() + seconds)
+
+    def _silent(self) -> bool:
+        if time.monotonic() < self._silent_until:
+            return True
+        self._silent_until = 0.0
+        return False
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -123,6 +140,8 @@ class SocketPump:
         """
         if self._closed:
             raise ConnectionError(f"{self._name} is closed")
+        if self._silent_until and self._silent():
+            return
         if self._up is not None:
             self._up.put(frames, frames_nbytes(frames))
             return
@@ -132,6 +151,8 @@ class SocketPump:
         """Send at once if zmq takes the message now and nothing waits ahead of it for its
         destination; False otherwise (then :meth:`send` it). A reply made on the receive path
         goes out this way without a task of its own."""
+        if self._silent_until and self._silent():
+            return not self._closed  # "sent", into the cut link
         if self._closed or self._up is not None or bytes(frames[0]) in self._outboxes:
             return False
         return self._try_send(frames)
@@ -213,6 +234,7 @@ class SocketPump:
         if self._closed:
             return
         sock = self._sock
+        dropping = bool(self._silent_until) and self._silent()
         for _ in range(_DRAIN_BUDGET):
             # Asking EVENTS is much cheaper than a recv that raises zmq.Again.
             if not sock.getsockopt(_EVENTS) & _POLLIN:
@@ -222,6 +244,8 @@ class SocketPump:
             while frame.more:
                 frame = sock.recv(_NOBLOCK, copy=False)
                 frames.append(frame)
+            if dropping:
+                continue
             if self._down is not None:
                 self._down.put(frames, frames_nbytes(frames))
             else:

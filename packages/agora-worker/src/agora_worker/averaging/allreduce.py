@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agora_core.injection import NO_INJECTIONS, InjectionPoints
 from agora_core.rpc import RpcClient
 from agora_worker.averaging.board import ReductionBoard
 from agora_worker.averaging.matchmaking import Group
@@ -76,6 +77,7 @@ async def all_reduce(
     chunk_values: int,
     chunk_timeout_s: float,
     deadline: float,
+    injections: InjectionPoints = NO_INJECTIONS,
 ) -> AllReduceResult:
     """One butterfly round of ``values`` (this peer's copy of the segment) within ``group``.
 
@@ -113,6 +115,7 @@ async def all_reduce(
                     start=lo,
                     chunk=chunk_values,
                     deadline=deadline,
+                    injections=injections,
                 )
                 for index, (reducer, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))
             )

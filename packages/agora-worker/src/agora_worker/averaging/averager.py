@@ -20,6 +20,7 @@ from agora_core.contract import Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
+from agora_core.injection import NO_INJECTIONS, InjectionPoints
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
@@ -68,8 +69,10 @@ class Averager:
         metrics: NodeMetrics,
         address: Callable[[], str],
         phase: Callable[[], Phase],
+        injections: InjectionPoints = NO_INJECTIONS,  # the operator's averaging-send trigger
     ):
         self.config = config
+        self._injections = injections
         self.chunk_values = max(1, chunk_bytes // 4)  # float32 values per streamed chunk
         self._run_name, self._stage, self._key = run_name, stage, key
         self._dht, self._client = dht, client
@@ -209,6 +212,7 @@ class Averager:
             chunk_values=self.chunk_values,
             chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=deadline,
+            injections=self._injections,
         )
         steps_during = (
             await asyncio.wrap_future(self._runtime.call(lambda: self._apply(ranges, result.pieces))) - step

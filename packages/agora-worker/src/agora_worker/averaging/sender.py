@@ -16,6 +16,7 @@ import numpy as np
 
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError
+from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.logs import get_logger
 from agora_core.rpc import RpcClient
 from agora_worker.averaging.matchmaking import Group
@@ -44,8 +45,10 @@ async def contribute(
     start: int,
     chunk: int,
     deadline: float,
+    injections: InjectionPoints = NO_INJECTIONS,
 ) -> SliceResult:
-    """Send this peer's values of one slice to its reducer; collect the differences back."""
+    """Send this peer's values of one slice to its reducer; collect the differences back.
+    ``injections``: the operator's averaging-send trigger fires before a chunk goes out."""
     stop = start + len(values)
     chunks = chunk_bounds(start, stop, chunk)
     result = SliceResult()
@@ -83,6 +86,8 @@ async def contribute(
 
             async def send() -> None:
                 for index, (lo, hi) in enumerate(chunks):
+                    if injections.armed:
+                        injections.reached(Trigger.AVERAGING_SEND, index=index, count=len(chunks))
                     await stream.send({"chunk": index}, {"values": values[lo - start : hi - start]})
                     result.wire_bytes += 4 * (hi - lo)
                 await stream.end()

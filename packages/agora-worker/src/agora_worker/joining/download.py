@@ -27,6 +27,7 @@ import numpy as np
 from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, RpcError
+from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.logs import get_logger
 from agora_core.rpc import RpcClient
 from agora_worker.state import PARAM_PREFIX, StateSnapshot, TensorSpec, tensor_digest
@@ -144,8 +145,11 @@ class StateDownload:
         config: JoinConfig,
         on_progress: Callable[[DownloadProgress], None] | None = None,
         progress_interval_s: float = 1.0,
+        injections: InjectionPoints = NO_INJECTIONS,
     ):
+        """``injections``: the operator's mid-download trigger fires as a piece is requested."""
         self._client = client
+        self._injections = injections
         self._config = config
         self._on_progress = on_progress
         self._progress_interval_s = progress_interval_s
@@ -159,8 +163,10 @@ class StateDownload:
         self._started = time.monotonic()
         self.failed_pieces = 0
         self.refetched_tensors = 0
+        self.pieces_arrived = 0  # of every try, for the download trigger's count
         for job in self._jobs.values():
             self._plan(job)
+        self._pieces = sum(job.pieces for job in self._jobs.values())
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -201,6 +207,8 @@ class StateDownload:
                 await self._changed.wait()
                 continue
             job, index = picked
+            if self._injections.armed:
+                self._injections.reached(Trigger.DOWNLOAD, index=self.pieces_arrived, count=self._pieces)
             job.in_flight[index] = donor
             start, length = job.piece_range(index)
             try:
@@ -221,6 +229,7 @@ class StateDownload:
             del job.in_flight[index]
             job.buffer[start : start + length] = data
             job.arrived += 1
+            self.pieces_arrived += 1
             job.sources.add(donor.node_id)
             donor.fetched_bytes += length
             if job.arrived == job.pieces:
@@ -345,6 +354,7 @@ async def download_state(
     required: set[str] | None = None,
     config: JoinConfig,
     on_progress: Callable[[DownloadProgress], None] | None = None,
+    injections: InjectionPoints = NO_INJECTIONS,
 ) -> tuple[StateSnapshot, StateDownload]:
     """Download the tensors named in ``expected`` from up to ``config.max_donors`` of
     ``addresses``; every name in ``required`` (default: the weights among ``expected``; AdamW
@@ -370,6 +380,12 @@ async def download_state(
     if not donors:
         raise StateDownloadFailed(f"none of {len(addresses)} candidate donors sent a manifest")
     download = StateDownload(
-        client, donors, expected=expected, required=required, config=config, on_progress=on_progress
+        client,
+        donors,
+        expected=expected,
+        required=required,
+        config=config,
+        on_progress=on_progress,
+        injections=injections,
     )
     return await download.run(), download

@@ -22,6 +22,7 @@ from agora_core.config.run import RunConfig
 from agora_core.contract import Phase
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import AgoraError, RpcError
+from agora_core.injection import NO_INJECTIONS, InjectionPoints
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
@@ -95,6 +96,7 @@ class Joiner:
         policy: DownloadPolicy = "auto",
         resume: Callable[..., Awaitable[int | None]] | None = None,
         announce: Callable[[], Awaitable[None]] | None = None,
+        injections: InjectionPoints = NO_INJECTIONS,
     ):
         """``resume(live_replicas=...)`` installs the newest valid checkpoint when the worker
         resumes or its stage has no live replica, and returns its step (None: it did not);
@@ -103,6 +105,7 @@ class Joiner:
         self._dht, self._client, self._runtime, self._state = dht, client, runtime, state
         self._phases, self._policy = phases, policy
         self._resume, self._announce = resume, announce
+        self._injections = injections  # the operator's mid-download trigger
         self.progress: DownloadProgress | None = None
         self._m_done = metrics.gauge("agora_join_download_bytes", "State bytes downloaded so far.")
         self._m_total = metrics.gauge("agora_join_download_total_bytes", "State bytes to download.")
@@ -191,6 +194,7 @@ class Joiner:
                     required=required,
                     config=config,
                     on_progress=self._report,
+                    injections=self._injections,
                 )
                 downloaded = time.monotonic()
                 await asyncio.wrap_future(

@@ -1,0 +1,127 @@
+"""Injected failures on a trainer (in-process, real sockets and DHT): its hops are trigger
+points, and a NaN it is told to send is refused by the worker and costs one sample, counted.
+
+The two stages are plain RPC servers on 127.0.0.1 that answer like a head and a tail (and
+refuse a non-finite gradient, as a worker's input check does), so no torch is imported here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agora_core.config import OperatorConfig, RunConfig
+from agora_core.config.run import DhtConfig, ModelConfig
+from agora_core.contract import Method, Phase
+from agora_core.dht import DhtNode
+from agora_core.dht.owned import OwnedEntry
+from agora_core.errors import BadRequest
+from agora_core.identity import NodeKey
+from agora_core.injection import Targets
+from agora_core.injection.publish import new_injection, publish
+from agora_core.rpc import Payload, RpcServer
+from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_core.testing import wait_until_async
+from agora_trainer.shards import make_shards
+from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.trainer import Trainer, TrainerSettings
+
+OPERATOR = NodeKey.generate()
+K = 4  # the boundary width
+RUN = RunConfig(
+    name="inject-trainer",
+    model=ModelConfig(
+        kind="surrogate",
+        d_model=32,
+        n_heads=2,
+        subspace_rank=K,
+        vocab_size=256,
+        seq_len=8,
+        stage_layers=(1, 1),
+    ),
+    dht=DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0),
+    operator=OperatorConfig(public_keys=[OPERATOR.public_key.hex()], injection_watch_s=0.05),
+)
+
+
+class Stage:
+    """A head or a tail on a real RPC server: answers shapes, records the gradients it got."""
+
+    def __init__(self, stage: int):
+        self.stage, self.grads = stage, []
+        self.server = RpcServer(listen="127.0.0.1:0")
+        if stage == 0:
+            self.server.register(Method.FORWARD, self.forward)
+            self.server.register(Method.BACKWARD, self.backward)
+        else:
+            self.server.register(Method.FORWARD_BACKWARD, self.forward_backward)
+
+    def forward(self, request) -> Payload:
+        tokens = request.tensors["tokens"]
+        return Payload(tensors={"boundary": np.zeros((*tokens.shape, K), np.float32)})
+
+    def backward(self, request) -> Payload:
+        grad = request.tensors["grad"]
+        self.grads.append(grad)
+        if not np.isfinite(grad).all():  # a worker's input check (agora_worker.tensors)
+            raise BadRequest("'grad' holds NaN or infinite values")
+        return Payload()
+
+    def forward_backward(self, request) -> Payload:
+        tokens = request.tensors["tokens"]
+        return Payload(
+            tensors={"loss": np.ones(1, np.float32), "grad": np.ones((*tokens.shape, K), np.float32)}
+        )
+
+    async def announce(self, dht: DhtNode, key: NodeKey) -> None:
+        announcement = WorkerAnnouncement(
+            node_id=key.node_id,
+            address=self.server.address,
+            stage=self.stage,
+            phase=Phase.SERVING,
+            throughput=100.0,
+            load=0,
+            max_batch=8,
+            version="test",
+        )
+        await OwnedEntry(dht, key, stage_workers_key(RUN.name, self.stage)).publish(
+            announcement.to_value(), 60
+        )
+
+
+async def test_a_trainer_obeys_its_records_at_its_hops_and_a_nan_it_sends_costs_one_sample(tmp_path):
+    make_shards(tmp_path / "shards", shards=1, tokenizer=ByteTokenizer(), max_bytes=20_000)
+    seed = DhtNode(key=NodeKey.generate(), config=RUN.dht)
+    await seed.start()
+    stages = [Stage(0), Stage(1)]
+    for stage in stages:
+        await stage.server.start()
+        await stage.announce(seed, NodeKey.generate())
+    trainer = Trainer(
+        run=RUN,
+        shards_dir=tmp_path / "shards",
+        key=NodeKey.generate(),
+        bootstrap=[seed.address],
+        settings=TrainerSettings(lanes=1, max_samples=6, refresh_interval_s=0.2, progress_interval_s=0.5),
+    )
+    try:
+        await trainer.start()
+        nan = new_injection(trigger="backward", action="nan", targets=Targets(role="trainer"))
+        slow = new_injection(trigger="forward", action="slow", factor=1.5, duration_s=60.0)
+        workers_only = new_injection(trigger="now", action="nan", targets=Targets(role="worker"))
+        for injection in (nan, slow, workers_only):
+            await publish(seed, OPERATOR, RUN.name, injection)
+        await wait_until_async(lambda: len(trainer.injections.waiting()) == 2, what="both records armed")
+        counters = await trainer.train()
+        # the one sample whose gradient was NaN is abandoned (counted, logged); max_samples still complete
+        assert trainer.abandoned == 1 and counters.completed == 6 and counters.dispatched == 7
+        assert sum(not np.isfinite(g).all() for g in stages[0].grads) == 1
+        assert trainer.router.slowdown.factor == 1.5
+        assert set(trainer.injection_watch.obeyed) == {nan.id, slow.id}  # not the workers' record
+        for injection in (nan, slow):
+            labels = {"record": injection.id, "action": str(injection.action)}
+            assert trainer.metrics.sample_value("agora_injections_obeyed_total", labels) == 1
+    finally:
+        await trainer.close()
+        for stage in stages:
+            await stage.server.stop()
+        await seed.stop()

@@ -5,8 +5,10 @@ each node listens on its host's own address and advertises it, and every connect
 them crosses the veth, as between two machines. Host A runs the DHT seed (an operator's
 ``dht`` credential), the authorizer and one worker per stage; host B runs the other replica
 of each stage and the trainer. No ``tools/swarm.py``: the commands are the ones an operator
-and contributors type. The run trains a few hundred samples; each worker must have served
-samples and the replicas on B must have averaged with their peers on A.
+and contributors type. Once B's replicas have averaged with their peers on A, the operator,
+from host B, tells A's stage-1 replica through the DHT (``tools/inject.py``, signed with an
+operator credential) to crash mid forward: it dies with the injection's exit code, and the
+trainer finishes its few hundred samples on the replica left, the loss falling.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -21,28 +24,23 @@ from pathlib import Path
 
 import pytest
 
+from agora_authorizer.cli_credential import issue_operator_credential
+from agora_authorizer.store import Store
+from agora_core.admission.credential_file import save_credential
+from agora_core.config import load_run_config
 from agora_core.identity import NodeKey
 from agora_core.testing import wait_until
 from agora_core.testing_hosts import Host, HostsUnavailable, two_hosts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = 256
+SAMPLES = 320
+EXIT_CODE = 97  # the injected crash's, told apart from any other exit
 START_S = 120.0  # every node serving (torch imports on a busy two-core machine)
 TRAIN_S = 150.0
 SERVING = re.compile(r"^  serving    (\S+)", re.M)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_FORMAT": "console"}
 EDITS = {"stage_layers": "stage_layers = [1, 1]", "weight_sync_steps": "weight_sync_steps = 10"}
-
-
-def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, f"{' '.join(args[:3])}: {done.stderr or done.stdout}"
-    return done.stdout
-
-
-def _after(output: str, prefix: str) -> str:
-    return next(line[len(prefix) :].strip() for line in output.splitlines() if line.startswith(prefix))
 
 
 def _run_config(tmp: Path, authorizer_public_key: str) -> Path:
@@ -57,7 +55,16 @@ def _run_config(tmp: Path, authorizer_public_key: str) -> Path:
 
 def _shards(tmp: Path) -> Path:
     out = tmp / "shards"
-    _cli(str(ROOT / "tools" / "make_shards.py"), str(out), "--shards", "2", "--max-mb", "0.5")
+    command = [
+        sys.executable,
+        str(ROOT / "tools" / "make_shards.py"),
+        str(out),
+        "--shards",
+        "2",
+        "--max-mb",
+        "0.5",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
     return out
 
 
@@ -84,25 +91,38 @@ def _lines(log: Path, event: str) -> list[dict[str, str]]:
     return rows
 
 
+def _averaged(log: Path) -> bool:
+    """Whether the worker of ``log`` finished an averaging round with its stage's other replica."""
+    rounds = _lines(log, "averaging_round")
+    return any(r["group_size"] == "2" and float(r["averaging_success"]) > 0 for r in rounds)
+
+
 @pytest.mark.timeout(START_S + TRAIN_S + 120, func_only=True)
 def test_an_authorized_run_trains_across_two_hosts(tmp_path):
     keys, logs = tmp_path / "keys", tmp_path / "logs"
     keys.mkdir()
     logs.mkdir()
-    # the operator: an authorizer key, the run config naming it, an account, the seed's credential
-    authorizer_key = str(keys / "authorizer.key")
-    public_key = _after(_cli("-m", "agora_authorizer", "keygen", "--key-file", authorizer_key), "public key ")
-    config, db = str(_run_config(tmp_path, public_key)), str(tmp_path / "authorizer.db")
-    token = _after(_cli("-m", "agora_authorizer", "account", "add", "lab", "--db", db), "token ")
-    seed_key = NodeKey.load_or_create(keys / "dht.key")
-    _cli("-m", "agora_authorizer", "credential", "--config", config, "--db", db, "--key-file", authorizer_key,
-         "--node-key", str(keys / "dht.key"), "--role", "dht", "--out", str(keys / "dht.credential"))  # fmt: skip
-    # one replica of each stage per host, pinned so the test knows which is where
+    # the operator's side, done here (no node in it): the authorizer's key, the run config
+    # naming it, an account, offline credentials for the seed and for tools/inject.py, pins
+    authorizer_key = keys / "authorizer.key"
+    authorizer = NodeKey.load_or_create(authorizer_key)
+    config, db = str(_run_config(tmp_path, authorizer.public_key.hex())), str(tmp_path / "authorizer.db")
     workers = [(stage, host_index, keys / f"worker-{stage}-{host_index}.key") for stage in (0, 1) for host_index in (0, 1)]  # fmt: skip
-    for stage, _, key_file in workers:
-        _cli(
-            "-m", "agora_authorizer", "pin", NodeKey.load_or_create(key_file).node_id, str(stage), "--db", db
-        )
+    token = secrets.token_urlsafe(16)
+    with Store.open(db) as store:
+        store.add_account("lab", token, now=time.time())
+        for role in ("dht", "operator"):
+            credential = issue_operator_credential(store, run=load_run_config(config), authorizer=authorizer,
+                                                   node=NodeKey.load_or_create(keys / f"{role}.key"), role=role,
+                                                   stage=None, lifetime_s=3600.0)  # fmt: skip
+            save_credential(credential, keys / f"{role}.credential")
+        for (
+            stage,
+            _,
+            key_file,
+        ) in workers:  # one replica of each stage per host: the test knows which is where
+            store.pin(NodeKey.load_or_create(key_file).node_id, stage, now=time.time())
+    seed_key = NodeKey.load(keys / "dht.key")
     shards = _shards(tmp_path)
     hosts = contextlib.ExitStack()
     try:
@@ -117,10 +137,9 @@ def test_an_authorized_run_trains_across_two_hosts(tmp_path):
         bootstrap = f"{seed_key.public_key.hex()}@{_serving(a, seed, seed_log)}"
         auth_log = logs / "authorizer.log"
         auth = a.spawn(["-m", "agora_authorizer", "serve", "--config", config, "--db", db, "--key-file",
-                        authorizer_key, *listen(a), "--bootstrap", bootstrap, "--allow-local-build"], auth_log, CHILD_ENV)  # fmt: skip
-        authorizer = _serving(a, auth, auth_log)
+                        str(authorizer_key), *listen(a), "--bootstrap", bootstrap, "--allow-local-build"], auth_log, CHILD_ENV)  # fmt: skip
         node_env = {**CHILD_ENV, "AGORA_ACCOUNT_TOKEN": token}
-        joined = ["--authorizer", authorizer, "--account", "lab", "--bootstrap", bootstrap]
+        joined = ["--authorizer", _serving(a, auth, auth_log), "--account", "lab", "--bootstrap", bootstrap]
         started = []
         for _, host_index, key_file in workers:
             host = (a, b)[host_index]
@@ -135,11 +154,32 @@ def test_an_authorized_run_trains_across_two_hosts(tmp_path):
                            str(shards), "--key-file", str(keys / "trainer.key"), "--lanes", "4", "--max-samples",
                            str(SAMPLES), "--loss-log", str(tmp_path / "losses.jsonl"), "--status-interval", "5"],
                           trainer_log, node_env)  # fmt: skip
-        deadline = time.monotonic() + START_S + TRAIN_S
+        b_logs = [log for host, _, log in started if host is b]
+
+        def b_averaged_across() -> bool:
+            assert trainer.poll() is None, f"trainer exited early:\n{trainer_log.read_text()[-3000:]}"
+            return all(_averaged(log) for log in b_logs)
+
+        wait_until(b_averaged_across, timeout_s=START_S + TRAIN_S / 2, every_s=0.5,
+                   what="B's replicas averaging with their peers on A")  # fmt: skip
+        # the operator, on host B, crashes A's stage-1 replica mid forward through the DHT
+        victim_host, victim, victim_log = started[2]
+        assert victim_host is a and workers[2][:2] == (1, 0)
+        inject_log = logs / "inject.log"
+        tool = b.spawn([str(ROOT / "tools" / "inject.py"), "--bootstrap", bootstrap, "--config", config,
+                        "--key", str(keys / "operator.key"), "--credential", str(keys / "operator.credential"),
+                        "add", "--action", "exit", "--trigger", "forward", "--exit-code", str(EXIT_CODE),
+                        "--node", NodeKey.load(workers[2][2]).node_id], inject_log, CHILD_ENV)  # fmt: skip
+        assert tool.wait(timeout=60) == 0, inject_log.read_text()
+        wait_until(lambda: victim.poll() is not None, timeout_s=30, what="the injected crash")
+        assert victim.returncode == EXIT_CODE, f"{victim_log.name} exited {victim.returncode}"
+        assert "injection_obeyed" in victim_log.read_text(errors="replace")
+        deadline = time.monotonic() + TRAIN_S
         while trainer.poll() is None and time.monotonic() < deadline:
-            assert all(proc.poll() is None for _, proc, _ in started), "a worker exited mid-run"
             time.sleep(0.5)  # another process's progress: polled with a deadline
         assert trainer.poll() == 0, f"trainer: {trainer.poll()}\n{trainer_log.read_text()[-3000:]}"
+        survivors = [proc for _, proc, _ in started if proc is not victim]
+        assert all(proc.poll() is None for proc in survivors), "a worker the injection spared exited"
         losses = [json.loads(line)["loss"] for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
         assert len(losses) >= SAMPLES
         head, tail = sum(losses[:32]) / 32, sum(losses[-32:]) / 32
@@ -147,8 +187,3 @@ def test_an_authorized_run_trains_across_two_hosts(tmp_path):
         for _, _, log in started:  # every replica, on either host, served samples
             steps = _lines(log, "optimizer_step")
             assert sum(int(step["samples"]) for step in steps) > 0, f"{log.name} served no sample"
-        for _, host_index, key_file in workers:  # B's replicas averaged with their peers on A
-            if host_index == 1:
-                rounds = _lines(logs / f"{key_file.stem}.log", "averaging_round")
-                averaged = [r for r in rounds if r["group_size"] == "2" and float(r["averaging_success"]) > 0]
-                assert averaged, f"{key_file.stem} never averaged with its peer across the hosts: {rounds}"

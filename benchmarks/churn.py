@@ -12,7 +12,8 @@ drawn at random: a trigger (now, after, averaging_send, forward, backward, downl
 role (workers three times as often as the trainer), then an action (exit, hang, drop_link,
 slow; ``nan`` is left out: it costs a sample by design). A ``download`` failure starts a
 joiner that is told to exit mid state download. A fatal action never targets the last
-healthy replica of a stage (the stage's state would be gone: that is a checkpoint test, not
+serving replica of a stage (its announcement read from the DHT): a stage left with replicas
+in weight sync only never steps again, so they never finish syncing (a stage-loss test, not
 a churn test). Dead workers are replaced after a random delay (2-10 s; the replacement
 downloads the stage's state), a crashed trainer is restarted on its own state file.
 
@@ -40,11 +41,15 @@ from pathlib import Path
 
 from _churn_swarm import ROOT, DrivenSwarm
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.contract import Phase
+from agora_core.dht import DhtError
+from agora_core.errors import RpcError
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
 from agora_core.logs import configure_logging
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
+from agora_core.schema import WorkerAnnouncement, parse_entries, stage_workers_key
 
 TRIGGERS = ("now", "after", "averaging_send", "forward", "backward", "download")
 FATAL = ("exit",)
@@ -100,12 +105,31 @@ class Churn:
 
     # --- who may be hit -----------------------------------------------------------------------
 
+    async def serving(self) -> set[str]:
+        """Node ids whose announcement says serving (not downloading or syncing)."""
+        run = self.swarm.run
+        keys = [stage_workers_key(run.name, s) for s in range(run.model.n_stages)]
+        try:
+            found = await self.node.dht.get_many(keys)
+        except (DhtError, RpcError):
+            return set()  # nobody is known serving: no victim this time
+        return {
+            a.node_id
+            for key in keys
+            for a in parse_entries(found[key], WorkerAnnouncement.from_value)
+            if a.phase is Phase.SERVING
+        }
+
     async def victim_worker(self, fatal: bool):
         """A serving worker not already doomed; for a fatal action, one of a stage that keeps
-        another healthy replica. (Reading the swarm waits on its lock: off the event loop.)"""
+        another one. A replica in weight sync does not count: a stage left with only syncing
+        replicas never steps again (nothing routes to them), so they never finish syncing;
+        losing a stage's last serving replica is a stage-loss test, not a churn test.
+        (Reading the swarm waits on its lock: off the event loop.)"""
         workers = await asyncio.to_thread(self.swarm.members, "worker")
+        serving = await self.serving()
         now = time.monotonic()
-        healthy = [m for m in workers if m.address and self.doomed.get(m.node_id, 0) < now]
+        healthy = [m for m in workers if m.node_id in serving and self.doomed.get(m.node_id, 0) < now]
         per_stage = {s: sum(m.stage == s for m in healthy) for s in range(self.swarm.run.model.n_stages)}
         pool = [m for m in healthy if not fatal or per_stage[m.stage] >= 2]
         return self.rng.choice(pool) if pool else None

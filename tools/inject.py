@@ -131,7 +131,15 @@ def resolve(run_dir, bootstrap, config, key_file, credential_file) -> Operator:
 )
 @click.pass_context
 def main(ctx, run_dir, bootstrap, config, key_file, credential_file) -> None:
-    """Order failures in a live Agora run through its DHT (see the module docstring)."""
+    """Order failures in a live Agora run through its DHT.
+
+    `add` writes one record signed with the operator's key; every worker and trainer reads
+    the run's records about once a second and obeys those an operator signed (a key in the
+    run config's [operator] public_keys; in an authorized run also the authorizer's key or a
+    key with an operator credential, given with --credential), each at most once, while the
+    record lives. `list` shows the live records, `clear` deletes this operator's. --run-dir
+    takes the bootstrap address, config and operator key of a local swarm (tools/swarm.py up).
+    """
     configure_logging(fmt="console", level="warning")
     ctx.obj = lambda: resolve(run_dir, bootstrap, config, key_file, credential_file)
 

@@ -258,7 +258,7 @@ async def test_a_dropped_link_answers_nothing_for_its_duration_then_recovers():
 
 
 async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when_it_returns():
-    config = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=0.6, sync_periods=2)
+    config = DhtConfig(gossip_period_s=0.1, probe_timeout_s=0.05, suspicion_timeout_s=0.4, sync_periods=2)
     nodes = [DhtNode(key=NodeKey.generate(), config=config)]
     await nodes[0].start()
     for _ in range(2):
@@ -267,8 +267,8 @@ async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when
     seed, _other, cut = nodes
     try:
         await wait_until_async(lambda: all(len(n.members()) == 3 for n in nodes), what="three members each")
-        cut.server.drop_link(2.0)
-        cut.client.drop_link(2.0)
+        cut.server.drop_link(1.5)
+        cut.client.drop_link(1.5)
         # each side declares the other dead: nobody probes the dead, so only a rejoin heals it
         await wait_until_async(
             lambda: cut.live_ids() == {cut.node_id} and cut.node_id not in seed.live_ids(),

@@ -293,7 +293,10 @@ class Trainer:
             self._sample_done(sample, loss)
 
     def _sample_done(self, sample: Sample, loss: float) -> None:
-        self.cursor.complete(sample.id)
+        # Saved with every completion: a trainer that crashes (an injected exit, a kill) and
+        # restarts on its state file repeats none of its completed samples (every 64th, it
+        # repeated up to 63). One small atomic file write per sample (a few tens of us).
+        self.cursor.complete(sample.id, save_every=1)
         self.completed_ids.append(sample.id)
         self.counters.completed += 1
         tokens = len(sample.tokens) - 1

@@ -26,8 +26,11 @@ from agora_core.dht.detector import FailureDetector
 from agora_core.dht.membership import Budget, Member, MemberTable, Status, parse_update
 from agora_core.dht.records import DhtError
 from agora_core.errors import BadRequest, RpcError
+from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
+
+log = get_logger("dht")
 
 MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
 REJOIN_TARGETS = 3  # addresses a cut-off node tries per period
@@ -136,6 +139,18 @@ class Gossip:
             self.table.apply_all(member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED)
             return True
         return False
+
+    async def heal(self, bootstrap: Sequence[str]) -> None:
+        """Every period, rejoin if this node was cut off (:meth:`rejoin_if_cut_off`). On a task
+        of its own: the maintenance loop can sit out a 5 s call to a member whose link just
+        went (a sync), and a node back from a cut should not wait for it."""
+        while True:
+            await asyncio.sleep(self.config.gossip_period_s)
+            try:
+                if await self.rejoin_if_cut_off(bootstrap):
+                    log.info("dht_rejoined", node=self.table.me.node_id[:12], members=len(self.table.live()))
+            except Exception:  # healing must outlive any one bad attempt
+                log.exception("dht_rejoin_failed", node=self.table.me.node_id[:12])
 
     async def rejoin_if_cut_off(self, bootstrap: Sequence[str]) -> bool:
         """Rejoin when every other member is dead in this node's eyes: it was cut off (its link

@@ -172,6 +172,7 @@ class DhtNode:
         self._tasks = [
             loop.create_task(self.gossip.detector.run(), name=f"dht-detector {self.node_id[:8]}"),
             loop.create_task(self.gossip.spread(), name=f"dht-spread {self.node_id[:8]}"),
+            loop.create_task(self.gossip.heal(self._bootstrap), name=f"dht-heal {self.node_id[:8]}"),
             loop.create_task(self._maintain(), name=f"dht-maintenance {self.node_id[:8]}"),
         ]
         log.info("dht_started", node=self.node_id[:12], address=self.address, members=len(self.table.live()))
@@ -374,8 +375,6 @@ class DhtNode:
             self._changed.clear()
             tick += 1
             try:
-                if await self.gossip.rejoin_if_cut_off(self._bootstrap):
-                    log.info("dht_rejoined", node=self.node_id[:12], members=len(self.table.live()))
                 self.records.purge(time.time())
                 if changed and await self.replication.handoff():
                     self._changed.set()  # some records were not delivered: hand them over again

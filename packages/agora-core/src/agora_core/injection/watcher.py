@@ -25,7 +25,7 @@ from agora_core.dht import DhtError, DhtNode, DhtValue
 from agora_core.errors import RpcError
 from agora_core.injection.effects import NodeEffects
 from agora_core.injection.operators import OperatorKeys
-from agora_core.injection.points import InjectionPoints
+from agora_core.injection.points import NO_INJECTIONS, InjectionPoints
 from agora_core.injection.record import Injection, InjectionRejected, NodeTraits, injections_key
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -53,7 +53,10 @@ class InjectionWatcher:
         effects: NodeEffects,
         metrics: NodeMetrics,
     ):
-        """``interval_s`` 0: the watcher never reads (a run that takes no injections)."""
+        """``interval_s`` 0: the watcher never reads (a run that takes no injections);
+        ``points``: the node's own (never the shared, disarmed NO_INJECTIONS)."""
+        if points is NO_INJECTIONS:
+            raise ValueError("a watcher arms the node's own InjectionPoints, not NO_INJECTIONS")
         self._dht = dht
         self.key = injections_key(run_name)
         self.interval_s = interval_s

@@ -1,0 +1,131 @@
+"""A local swarm a benchmark drives itself: tools/swarm.py's processes, without its watch loop.
+
+``swarm.py up`` owns its processes until the trainers finish; a churn soak must also replace
+workers that died and restart a trainer that crashed, so it starts the same processes with
+the same functions (``tools/swarm_processes.py``: the DHT seed, the authorizer, the health
+monitor, workers placed and pinned by the authorizer, trainers) and keeps them itself. Every
+call that writes RUN_DIR/swarm.json holds one lock: replacements run on threads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import swarm_processes as processes  # noqa: E402  (tools/ is not a package)
+from agora_core.admission.credential import SignedCredential  # noqa: E402
+from agora_core.admission.credential_file import load_credential  # noqa: E402
+from agora_core.config import RunConfig, load_run_config  # noqa: E402
+from agora_core.identity import NodeKey  # noqa: E402
+from swarm import ensure_shards, held_out, trainer_shards  # noqa: E402
+from swarm_authorizer import authorize  # noqa: E402
+from swarm_operator import credential_file, key_file, prepare_operator  # noqa: E402
+
+
+@dataclass
+class DrivenSwarm:
+    run_dir: Path
+    config: str  # the run config given; the swarm runs on RUN_DIR/run.toml
+    shards: Path
+    replicas: int
+    lanes: int
+    worker_args: tuple[str, ...] = ()
+    swarm: processes.SwarmFile | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    trainer_dir: Path | None = None
+
+    run: RunConfig | None = None  # the config every node runs on, once up
+
+    def up(self) -> None:
+        """A fresh authorized, monitored swarm: seed, authorizer, monitor, ``replicas`` workers
+        per stage (placed by the authorizer), serving; no trainer yet."""
+        run = load_run_config(self.config)
+        ensure_shards(self.shards, 1, run.model.seq_len)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        for sub in ("logs", "keys", "data"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        swarm = processes.SwarmFile(str(self.run_dir), str(Path(self.config).resolve()), authorized=True)
+        swarm.config = str(authorize(self.run_dir, self.config))
+        swarm.config = prepare_operator(self.run_dir, swarm.config, authorized=True)
+        swarm.save()
+        self.swarm = swarm
+        self.run = load_run_config(swarm.config)
+        processes.start_seed(swarm)
+        processes.start_authorizer(swarm)
+        processes.start_monitor(swarm)
+        started = [self.start_worker(None) for _ in range(run.model.n_stages * self.replicas)]
+        for member, proc in started:
+            self.wait_serving(member, proc)
+        shard_files, _kept = held_out(sorted(self.shards.glob("*.json")))
+        self.trainer_dir = trainer_shards(self.run_dir, shard_files, 0, 1)
+
+    def start_worker(self, stage: int | None):
+        with self.lock:
+            return processes.start_worker(self.swarm, stage, self.worker_args)
+
+    def next_worker_key(self) -> NodeKey:
+        """The key the next started worker will run with (its node id, known before it starts)."""
+        with self.lock:
+            name = f"worker-{sum(1 for m in self.swarm.members if m.role == 'worker')}"
+            return NodeKey.load_or_create(processes.key_file(self.swarm, name))
+
+    def wait_serving(self, member, proc) -> None:
+        processes.wait_placed(member, proc)
+        address = processes.wait_serving(member, proc)
+        with self.lock:
+            member.address = address
+            self.swarm.save()
+
+    def start_trainer(self, samples: int | None):
+        """Trainer 0 (again, after a crash: same key, same shards, same state file); its process."""
+        with self.lock:
+            return processes.start_trainer(
+                self.swarm, 0, self.trainer_dir, lanes=self.lanes, samples=samples, status_interval_s=30.0
+            )
+
+    def members(self, role: str) -> list[processes.Member]:
+        with self.lock:
+            return [m for m in self.swarm.members if m.role == role and m.alive]
+
+    def reap(self) -> list[processes.Member]:
+        """The members of swarm.json that died since the last call (marked dead there)."""
+        dead = []
+        with self.lock:
+            for member in self.swarm.members:
+                if member.alive and not processes.alive(member.pid):
+                    member.alive = False
+                    dead.append(member)
+            if dead:
+                self.swarm.save()
+        return dead
+
+    def trainer_running(self) -> bool:
+        return any(processes.alive(m.pid) for m in self.members("trainer"))
+
+    def operator(self) -> tuple[NodeKey, SignedCredential]:
+        run = self.run
+        key = NodeKey.load(key_file(self.run_dir))
+        credential = load_credential(
+            credential_file(self.run_dir),
+            authorizer_public_key=run.admission.authorizer_key_bytes,
+            run=run.name,
+            public_key=key.public_key,
+        )
+        return key, credential
+
+    def down(self) -> None:
+        if self.swarm is not None:
+            with self.lock:
+                processes.stop_all(processes.SwarmFile.load(self.run_dir))
+
+    def logs(self, role: str) -> list[Path]:
+        return sorted((self.run_dir / "logs").glob(f"{role}-*.log"))
+
+    def loss_log(self) -> Path:
+        return self.run_dir / "trainer-0.losses.jsonl"

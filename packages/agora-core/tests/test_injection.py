@@ -8,6 +8,7 @@ are agora-worker's test_injection_processes.py's).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -18,7 +19,7 @@ from agora_core.auth.testing import TestAuthority
 from agora_core.config import OperatorConfig
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode, DhtValue
-from agora_core.errors import DeadlineExceeded
+from agora_core.errors import DeadlineExceeded, PeerUnreachable
 from agora_core.identity import NodeKey
 from agora_core.injection import (
     InjectionPoints,
@@ -283,3 +284,30 @@ async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when
     finally:
         for node in nodes:
             await node.stop()
+
+
+async def test_calls_in_flight_to_a_member_declared_dead_fail_at_once_not_at_their_deadline():
+    config = DhtConfig(gossip_period_s=0.1, probe_timeout_s=0.05, suspicion_timeout_s=0.4)
+    caller = DhtNode(key=NodeKey.generate(), config=config)
+    await caller.start()
+    frozen = DhtNode(key=NodeKey.generate(), config=config, bootstrap=[caller.address])
+    never = asyncio.Event()
+
+    async def wait_forever(request):
+        await never.wait()
+
+    frozen.server.register("wait", wait_forever)
+    await frozen.start()
+    try:
+        call = asyncio.create_task(caller.client.call(frozen.address, "wait", timeout_s=30))
+        await asyncio.sleep(0)
+        frozen.server.drop_link(10)  # its handler stays busy and it answers no probe
+        frozen.client.drop_link(10)
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="declared dead"):
+            await call
+        assert time.monotonic() - started < 10  # the suspicion timeout, not the 30 s deadline
+    finally:
+        never.set()
+        for node in (frozen, caller):
+            await node.stop(leave=False)

@@ -49,6 +49,7 @@ class Gossip:
         claims: Claims,
         on_change: Callable[[], None],
         on_address: Callable[[Member], None] | None = None,
+        on_dead: Callable[[Member], None] | None = None,
     ):
         self.config = config
         self.client = client
@@ -63,6 +64,7 @@ class Gossip:
             on_new_member=lambda node_id: self.detector.member_added(node_id),
             on_hint=lambda member: self.detector.probe_now(member),
             on_address=on_address,
+            on_dead=on_dead,
         )
         self.detector = FailureDetector(
             self.table,

@@ -67,9 +67,11 @@ class MemberTable:
         on_new_member: Callable[[str], None] | None = None,
         on_hint: Callable[[Member], None] | None = None,
         on_address: Callable[[Member], None] | None = None,
+        on_dead: Callable[[Member], None] | None = None,
     ):
         """``on_hint(member)``: someone reported ``member`` suspect or dead (probe it);
-        ``on_address(member)``: a member entered or moved to a new address."""
+        ``on_address(member)``: a member entered or moved to a new address;
+        ``on_dead(member)``: this node declared ``member`` dead (or dropped it)."""
         self.me = me
         self.claims = claims
         self._members: dict[str, Member] = {}
@@ -81,6 +83,7 @@ class MemberTable:
         self._on_new_member = on_new_member or (lambda node_id: None)
         self._on_hint = on_hint or (lambda member: None)
         self._on_address = on_address or (lambda member: None)
+        self._on_dead = on_dead or (lambda member: None)
         self._gossip: dict[str, tuple[list, int]] = {}  # node id -> (update, times sent)
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
@@ -236,6 +239,8 @@ class MemberTable:
         if gossip:
             self._queue(member)
         self._on_change()
+        if status == Status.DEAD:
+            self._on_dead(member)
 
     def suspect(self, node_id: str, now: float | None = None) -> bool:
         """This node's own probes of ``node_id`` failed: suspect it here and say so."""

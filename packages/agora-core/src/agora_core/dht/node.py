@@ -164,6 +164,7 @@ class DhtNode:
             claims=self.claims,
             on_change=self._membership_changed,
             on_address=self._member_moved,
+            on_dead=self._member_died,
         )
         self.table = self.gossip.table
         self.client.on_connection_lost(self.gossip.connection_lost)
@@ -241,6 +242,11 @@ class DhtNode:
                 listener(member.address, member.public_key)
             except Exception:
                 log.exception("dht_member_listener_failed", node=self.node_id[:12])
+
+    def _member_died(self, member: Member) -> None:
+        """Unary calls in flight to a member declared dead fail now, not at their deadlines (a
+        trainer's hop to a worker that froze or lost its link would wait its whole timeout)."""
+        self.client.fail_calls_to(member.address, f"member {member.node_id[:12]} was declared dead")
 
     def credential_changed(self) -> None:
         """Re-sign this node's claim with its fresh ``credential()`` (raising its

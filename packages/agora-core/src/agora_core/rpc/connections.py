@@ -118,6 +118,14 @@ class ClientConnections:
             self._pump.start()
         return self._pump
 
+    def fail_calls_to(self, address: str, why: str) -> None:
+        """Fail the unary calls waiting on ``address`` now (its node was declared dead); streams
+        keep their deadlines, the connection stays (a node wrongly declared dead refutes)."""
+        peer = self._peers.get(normalize_address(address))
+        for rid, future in list(peer.pending.items()) if peer is not None else ():
+            if rid < _GREETING_IDS and not future.done():  # a greeting settles the connection
+                future.set_exception(PeerUnreachable(why))
+
     def drop_link(self, seconds: float) -> None:
         """Fault injection: nothing in or out of this client for ``seconds`` (a dropped link)."""
         self._socket().drop_for(seconds)

@@ -2,7 +2,7 @@
 """Turn a corpus into an Agora shard set: a manifest, training shards and a validation split.
 
     python tools/make_shards.py OUT_DIR [--config RUN.toml | --tokenizer bpe|bytes|PATH.json]
-                                [--vocab-size 1024] [--shards 8] [--source PATH ...] [--text-field text]
+                                [--vocab-size 512] [--shards 8] [--source PATH ...] [--text-field text]
                                 [--max-mb N] [--validation-fraction 0.01] [--bpe-train-mb 4]
                                 [--workers N] [--seed 0]
 
@@ -33,7 +33,7 @@ from agora_trainer.progress import ProgressBar
 from agora_trainer.sharding import TrainBpe, make_shards
 from agora_trainer.tokenizer import ByteTokenizer, JsonTokenizer
 
-DEFAULT_VOCAB = 1024  # examples/tiny.toml's: see its [data] section for why
+DEFAULT_VOCAB = 512  # examples/tiny.toml's: see its [data] section for why
 
 
 def tokenizer_request(args: argparse.Namespace):

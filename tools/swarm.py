@@ -11,7 +11,7 @@
     python tools/swarm.py dashboard [--run-dir DIR]            # the running monitor's URL
 
 ``up`` makes the data shards if needed (from the Python standard library's sources, with the
-run's tokenizer: a BPE learned from them for examples/tiny.toml, in .agora/shards/bpe-1024), starts
+run's tokenizer: a BPE learned from them for examples/tiny.toml, in .agora/shards/bpe-512), starts
 everything on 127.0.0.1 with one log file per process under the run directory, prints a
 status line every few seconds (step per stage, loss, tokens/s, workers per stage, averaging
 success), and stops everything when the trainers are done, after --duration, or on Ctrl-C.

@@ -62,11 +62,9 @@ def main() -> None:
     report = Report("ablation_backward", as_json=args.json)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(folder / "shards"), "--max-mb", "4"],
-            check=True,
-            capture_output=True,
-        )
+        make = [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(folder / "shards")]
+        make += ["--config", args.config, "--max-mb", "4"]  # the run's tokenizer
+        subprocess.run(make, check=True, capture_output=True)
         curves = {routing: swarm_run(args, folder, routing, report) for routing in ("pinned", "random")}
     tail = slice(3 * args.samples // 4, args.samples)
     pinned, randomly = (float(curves[r][tail].mean()) for r in ("pinned", "random"))

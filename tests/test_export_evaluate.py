@@ -1,6 +1,6 @@
 """The trained model comes out: `tools/export_model.py` assembles it from per-stage checkpoints
-(skipping a corrupt one) or from live workers over RPC, and `tools/evaluate.py` scores it on a
-held-out shard, exactly as a direct ComposedModel computation on the same weights does, and
+(skipping a corrupt one) or from live workers over RPC, and `tools/evaluate.py` scores it on the
+shard set's validation split, exactly as a direct ComposedModel computation on the same weights does, and
 samples text from it that repeats with its seed. The tools run as the user runs them."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from agora_core.config.dump import dump_toml
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
+from agora_trainer.manifest import read_manifest, tokenizer_record
 from agora_trainer.shards import open_shards
 from agora_worker.checkpoint import CheckpointStore, find_manifests
 from agora_worker.model import ComposedModel, build_stage
@@ -62,14 +64,19 @@ def tool(name: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """Two small shards of real text; the second is held out."""
+    """A small shard set of real text, bytes (the run's tokenizer): one document to train on,
+    one held out as the validation split."""
     out = tmp_path_factory.mktemp("shards")
     source = out / "source"
     source.mkdir()
     text = (ROOT / "packages" / "agora-worker" / "src" / "agora_worker" / "worker.py").read_text()
-    (source / "a.txt").write_text(text[:6000])  # one file per shard
+    (source / "a.txt").write_text(text[:6000])
     (source / "b.txt").write_text(text[6000:12000])
-    made = tool("make_shards.py", str(out / "data"), "--shards", "2", "--source", str(source))
+    made = tool(
+        "make_shards.py",
+        *(str(out / "data"), "--shards", "1", "--source", str(source), "--tokenizer", "bytes"),
+        *("--validation-fraction", "0.5"),
+    )
     assert made.returncode == 0, made.stderr
     return out / "data"
 
@@ -111,16 +118,20 @@ def direct_loss(weights: list[dict[str, np.ndarray]], samples: np.ndarray) -> fl
 
 
 @pytest.mark.timeout(5 * TOOL_S, func_only=True)
-def test_export_from_checkpoints_then_evaluate_on_the_held_out_shard(tmp_path, shards):
+def test_export_from_checkpoints_then_evaluate_on_the_validation_split(tmp_path, shards):
     saved = train_checkpoints(shards, tmp_path / "checkpoints")
     newest_of_1 = find_manifests(tmp_path / "checkpoints" / "worker-1-0")[0].tensor_path
     newest_of_1.write_bytes(newest_of_1.read_bytes()[:-64])  # truncated: stage 1 falls back
     model = tmp_path / "model.safetensors"
-    export = tool("export_model.py", "--from-checkpoints", str(tmp_path / "checkpoints"), "--out", str(model))
+    checkpoints = str(tmp_path / "checkpoints")
+    export = tool(
+        "export_model.py", "--from-checkpoints", checkpoints, "--out", str(model), "--shards", str(shards)
+    )
     assert export.returncode == 0, export.stdout + export.stderr
     assert "stage 1: step 2" in export.stdout and "truncated" in export.stdout
     exported = read_model(model)
     assert exported.run == RUN and exported.steps == [3, 2, 3] and exported.source == "checkpoints"
+    assert exported.tokenizer == tokenizer_record(read_manifest(shards).tokenizer)  # evaluate checks it
     chosen = [saved[0][3], saved[1][2], saved[2][3]]
     for mine, theirs in zip(chosen, exported.weights, strict=True):
         assert all(mine[n].tobytes() == theirs[n].tobytes() for n in mine)
@@ -133,15 +144,17 @@ def test_export_from_checkpoints_then_evaluate_on_the_held_out_shard(tmp_path, s
         return json.loads(result.stdout.strip().splitlines()[-1])
 
     first = evaluate("--temperature", "0.9", "--seed", "5")
-    held_out = open_shards(shards)[-1]
+    (held_out,) = open_shards(shards, "validation")
     everything = np.stack(
         [held_out.sample(i, RUN.model.seq_len) for i in range(held_out.sample_count(RUN.model.seq_len))]
     )
-    assert first["held_out_shard"] == held_out.name and first["samples"] == len(everything)
+    assert first["held_out_shards"] == [held_out.name] and first["samples"] == len(everything)
     assert np.isfinite(first["held_out_loss"])
     assert first["held_out_loss"] == pytest.approx(direct_loss(chosen, everything), rel=1e-5)
+    # bytes: bits per byte are nats per token over ln 2 (the held-out text has no separator)
+    assert first["bits_per_byte"] == pytest.approx(first["held_out_loss"] / math.log(2), rel=1e-9)
     assert len(first["sample"]) > 0
-    again = evaluate("--temperature", "0.9", "--seed", "5", "--held-out-shard", "1")
+    again = evaluate("--temperature", "0.9", "--seed", "5")
     assert again["sample"] == first["sample"] and again["held_out_loss"] == first["held_out_loss"]
 
 

@@ -22,7 +22,7 @@ from agora_authorizer.testing import authorizer_process
 from agora_core.auth.testing import SMALL_MODEL
 from agora_core.testing import ChildProcess, spawn_python, wait_until
 from agora_core.testing_prometheus import PushGateway, check_metrics
-from agora_trainer.shards import make_shards
+from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow

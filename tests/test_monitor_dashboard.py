@@ -52,6 +52,8 @@ def _shards(tmp_path: Path) -> Path:
         sys.executable,
         str(ROOT / "tools" / "make_shards.py"),
         str(out),
+        "--config",  # its [data] tokenizer is the run's: the config below is cut from it
+        str(ROOT / "examples" / "tiny.toml"),
         "--shards",
         "3",
         "--max-mb",

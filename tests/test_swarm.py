@@ -4,8 +4,9 @@ Every node is its own OS process on 127.0.0.1; the tests drive the same commands
 The swarm is authorized, as a public run is: an authorizer process admits every node and
 places the workers (two per stage), and pins a worker that is added or restarted to its stage.
 A 3-stage version of examples/tiny.toml with 2 workers per stage and averaging on trains on
-shards made from the standard library's sources; its per-sample losses (the trainer's
---loss-log) are compared by sample id with `tools/reference_train.py` on the same samples.
+shards made from the standard library's sources with its BPE tokenizer (learned from them);
+its per-sample losses (the trainer's --loss-log) are compared by sample id with
+`tools/reference_train.py` on the same samples.
 What the nodes did is read while they run, the way an operator's tools read it: averaging
 reports from the DHT (a light DHT member of the swarm), a worker's state over its RPC.
 """
@@ -28,7 +29,8 @@ from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.schema import averaging_summary_key
 from agora_core.testing import wait_until
-from agora_trainer.shards import open_shards
+from agora_trainer.held_out import validation_samples
+from agora_trainer.shards import open_shard_set
 from agora_worker.checkpoint import CheckpointStore, find_manifests
 from agora_worker.model.export import read_model
 from agora_worker.model.inference import WholeModel, held_out_loss
@@ -49,20 +51,20 @@ REFERENCE_S = 120  # tools/reference_train.py on the same samples
 KILL_S = 30  # `swarm.py kill-worker`
 ADD_S = 150  # `swarm.py add-worker`: the newcomer imports torch on a busy machine
 MARGIN_S = 30
+# What "it learned" means here: the loss per token fell this far below its start (near
+# ln 512 = 6.2 for examples/tiny.toml's BPE, whose loss falls by fewer nats in a few dozen
+# steps than a byte model's from ln 256).
+LEARNED_NATS = 0.5
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
+    """The standard library's sources with examples/tiny.toml's tokenizer (a BPE learned from
+    them), a few dozen files held out as the validation split."""
     out = tmp_path_factory.mktemp("shards")
-    command = [
-        sys.executable,
-        str(ROOT / "tools" / "make_shards.py"),
-        str(out),
-        "--shards",
-        "4",
-        "--max-mb",
-        "2",
-    ]
+    command = [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(out)]
+    command += ["--config", str(ROOT / "examples" / "tiny.toml"), "--shards", "4", "--max-mb", "2"]
+    command += ["--validation-fraction", "0.05"]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return out
 
@@ -297,14 +299,13 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shard
     gap = ours[window].mean() / theirs[window].mean() - 1
     print(f"swarm {ours[window].mean():.4f} vs reference {theirs[window].mean():.4f}: {gap:+.2%}")
     assert abs(gap) <= 0.05
-    assert ours[window].mean() < 0.75 * ours[:64].mean()  # it learned
-    # The model came out (exported from the workers' last checkpoints) and scores on the shard
-    # no trainer had about as well as the centralized reference's.
-    assert "held-out loss:" in output, output
+    assert ours[window].mean() < ours[:64].mean() - LEARNED_NATS  # it learned
+    # The model came out (exported from the workers' last checkpoints) and scores on the
+    # validation split, which no trainer had, about as well as the centralized reference's.
+    assert "held-out loss:" in output and "bits/byte" in output, output
     exported = read_model(swarm.run_dir / "model.safetensors")
     assert exported.source == "checkpoints" and min(exported.steps) >= SAMPLES // 16 * 3 // 4, exported.steps
-    held_out = open_shards(shards)[-1]
-    samples = np.stack([held_out.sample(i * 7, swarm.run.model.seq_len) for i in range(64)])
+    samples = validation_samples(open_shard_set(shards, "validation"), swarm.run.model.seq_len, 64)
     swarm_loss, reference_loss = (
         held_out_loss(WholeModel(read_model(path).modules(), seq_len=swarm.run.model.seq_len), samples)
         for path in (swarm.run_dir / "model.safetensors", reference)
@@ -361,7 +362,7 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     losses = swarm.losses()
     assert sorted(losses) == list(range(SAMPLES)), output  # nothing lost to the departure
     curve = np.array([losses[i] for i in range(SAMPLES)])
-    assert curve[-128:].mean() < 0.75 * curve[:64].mean()
+    assert curve[-128:].mean() < curve[:64].mean() - LEARNED_NATS  # it kept learning
     assert phases[0] in ("downloading", "weight_sync") and "weight_sync" in phases, phases
     # No spike when it joins: the samples after it became visible fare no worse than those before.
     at = visible_at[0]

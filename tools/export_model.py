@@ -2,8 +2,8 @@
 """Assemble a run's trained model into one safetensors file, plus its run config as TOML.
 
     python tools/export_model.py --from-checkpoints DIR [--from-checkpoints DIR ...] [--config RUN.toml]
-                                 [--out model.safetensors]
-    python tools/export_model.py --bootstrap ADDRESS --config RUN.toml [--out model.safetensors]
+                                 [--shards DIR] [--out model.safetensors]
+    python tools/export_model.py --bootstrap ADDRESS --config RUN.toml [--shards DIR] [--out model.safetensors]
 
 From checkpoints: each DIR and every directory below it is searched (one per worker, or the
 parent of them all); for each stage the newest valid checkpoint wins, and any that is
@@ -14,8 +14,9 @@ From live workers: joins the run's DHT through ADDRESS as a light member, reads 
 worker announcements, and downloads the weights of one serving replica per stage (the most
 advanced first, another if it fails) over ``state.manifest`` / ``state.fetch``.
 
-The file holds ``stage<s>/<parameter name>`` tensors and, as metadata, the run config and
-each stage's step; ``tools/evaluate.py`` loads it.
+The file holds ``stage<s>/<parameter name>`` tensors and, as metadata, the run config, each
+stage's step and, with --shards, the tokenizer of the run's shards (checked against the run
+config first); ``tools/evaluate.py`` loads it and refuses shards of another tokenizer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from agora_core.schema import (
     stage_progress_key,
     stage_workers_key,
 )
+from agora_trainer.manifest import check_run_tokenizer, read_manifest, tokenizer_record
 from agora_worker.checkpoint import CheckpointInvalid, Manifest, find_manifests, load_checkpoint
 from agora_worker.joining import StateDownloadFailed, download_state
 from agora_worker.model.export import (
@@ -209,6 +211,12 @@ async def from_live(
     help="Live export: give up after this.",
 )
 @click.option(
+    "--shards",
+    "shards_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The run's shard set: its tokenizer is checked against the run and recorded in the file.",
+)
+@click.option(
     "--key-file", type=click.Path(dir_okay=False), help="Live export, authorized run: this tool's key."
 )
 @click.option(
@@ -217,7 +225,9 @@ async def from_live(
     type=click.Path(dir_okay=False),
     help="Live export, authorized run: the key's operator credential (agora-authorizer credential).",
 )
-def main(checkpoint_dirs, bootstrap, config_file, out, timeout_s, key_file, credential_file) -> None:
+def main(
+    checkpoint_dirs, bootstrap, config_file, out, timeout_s, shards_dir, key_file, credential_file
+) -> None:
     """Assemble a run's trained model (one replica per stage) into one safetensors file."""
     configure_logging(fmt="console", level="warning")
     if bool(checkpoint_dirs) == bool(bootstrap):
@@ -247,6 +257,10 @@ def main(checkpoint_dirs, bootstrap, config_file, out, timeout_s, key_file, cred
                 from_live(run, bootstrap, timeout_s=timeout_s, key=key, credential=credential)
             )
         model.modules()  # every stage loads into the run's model: the file is usable
+        if shards_dir is not None:  # the tokenizer travels with the model: evaluation checks it
+            entry = read_manifest(shards_dir).tokenizer
+            check_run_tokenizer(entry, model.run.data, model.run.model.vocab_size, where=str(shards_dir))
+            model = dataclasses.replace(model, tokenizer=tokenizer_record(entry))
         write_model(out, model)
     except (ExportFailed, ModelFileError, AgoraError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)

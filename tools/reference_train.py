@@ -28,7 +28,9 @@ import torch
 from agora_core.config import load_run_config
 from agora_core.errors import ConfigError
 from agora_trainer.cursor import SampleCursor
-from agora_trainer.shards import ShardError, open_shards
+from agora_trainer.errors import DataError, ShardError
+from agora_trainer.manifest import check_run_tokenizer, tokenizer_record
+from agora_trainer.shards import open_shard_set
 from agora_worker.model import build_stage
 from agora_worker.model.export import ExportedModel, weights_from_module, write_model
 from agora_worker.optimizer import HostOptimizer
@@ -64,11 +66,15 @@ class ReferenceModel:
         for optimizer in self.optimizers:
             optimizer.apply()
 
-    def export(self, path: Path) -> None:
-        """The trained model as one file, like ``tools/export_model.py`` writes a swarm's."""
+    def export(self, path: Path, *, tokenizer: str = "") -> None:
+        """The trained model as one file, like ``tools/export_model.py`` writes a swarm's;
+        ``tokenizer``: the shards' tokenizer record."""
         weights = [weights_from_module(module) for module in self.stages]
         steps = [optimizer.step for optimizer in self.optimizers]
-        write_model(path, ExportedModel(run=self.run, weights=weights, steps=steps, source="reference"))
+        model = ExportedModel(
+            run=self.run, weights=weights, steps=steps, source="reference", tokenizer=tokenizer
+        )
+        write_model(path, model)
 
 
 def train(
@@ -82,7 +88,9 @@ def train(
     export: Path | None = None,
 ) -> list:
     torch.manual_seed(run.seed)
-    cursor = SampleCursor(open_shards(shards_dir), run.model.seq_len)
+    shard_set = open_shard_set(shards_dir, "train")  # as a trainer: verified, never the validation split
+    check_run_tokenizer(shard_set.tokenizer, run.data, run.model.vocab_size, where=shards_dir)
+    cursor = SampleCursor(shard_set.shards, run.model.seq_len)
     if samples > cursor.total:
         raise ShardError(
             f"the shards hold {cursor.total} samples of {run.model.seq_len} tokens; asked for {samples}"
@@ -113,7 +121,7 @@ def train(
         if out is not None:
             out.close()
     if export is not None:
-        model.export(export)
+        model.export(export, tokenizer=tokenizer_record(shard_set.tokenizer))
         print(f"exported the trained model to {export}", flush=True)
     return losses
 
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             every=args.print_every,
             export=args.export,
         )
-    except (ConfigError, ShardError) as exc:
+    except (ConfigError, DataError) as exc:
         print(f"reference_train: {exc}", file=sys.stderr)
         return 2
     tail = losses[-min(len(losses), 64) :]

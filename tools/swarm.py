@@ -10,7 +10,8 @@
     python tools/swarm.py down [--run-dir DIR]                 # stop a swarm started elsewhere
     python tools/swarm.py dashboard [--run-dir DIR]            # the running monitor's URL
 
-``up`` makes the data shards if needed (from the Python standard library's sources), starts
+``up`` makes the data shards if needed (from the Python standard library's sources, with the
+run's tokenizer: a BPE learned from them for examples/tiny.toml, in .agora/shards/bpe-512), starts
 everything on 127.0.0.1 with one log file per process under the run directory, prints a
 status line every few seconds (step per stage, loss, tokens/s, workers per stage, averaging
 success), and stops everything when the trainers are done, after --duration, or on Ctrl-C.
@@ -27,10 +28,11 @@ admits every worker and trainer and places each worker on a stage (``swarm_autho
 ``add-worker STAGE`` and ``restart-worker`` pin the worker's key to its stage first. ``--open``
 runs without an authorizer: each worker is told its stage.
 
-Every worker checkpoints into RUN_DIR/checkpoints/<name>/ (and once more when it stops). The
-last shard is held out: no trainer gets it. When the swarm has stopped, ``up`` exports the
-model from the workers' final checkpoints to RUN_DIR/model.safetensors and prints its loss on
-the held-out shard and a short text sample (``--no-export`` skips that).
+Every worker checkpoints into RUN_DIR/checkpoints/<name>/ (and once more when it stops).
+Trainers get the training shards only; the shard set's validation split (documents held out
+by make_shards) is for evaluation. When the swarm has stopped, ``up`` exports the model from
+the workers' final checkpoints to RUN_DIR/model.safetensors and prints its held-out loss (per
+token and in bits per byte) and a short text sample (``--no-export`` skips that).
 
 This file is the command line; starting, tracking and stopping the processes is
 ``swarm_processes.py``, reading the swarm's state and printing it is ``swarm_status.py``.
@@ -49,9 +51,12 @@ from pathlib import Path
 
 import click
 
-from agora_core.config import load_run_config
+from agora_core.config import DataConfig, load_run_config
 from agora_core.logs import configure_logging
-from agora_trainer.shards import open_shards
+from agora_trainer.errors import DataError
+from agora_trainer.manifest import check_run_tokenizer, link_subset, read_manifest
+from agora_trainer.shards import open_shard_set
+from agora_trainer.tokenizer import digest
 from swarm_authorizer import authorize, db_url
 from swarm_operator import prepare_operator
 from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a script, from any cwd
@@ -75,34 +80,43 @@ from swarm_status import describe_swarm, summarize, watch
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "tiny.toml"
 DEFAULT_RUN_DIR = ROOT / "runs" / "latest"
+# Documents held out for the final held-out loss: on 8 MB of the standard library, some 25
+# files. Fewer let one codec table or file of numbers dominate the held-out tokens.
+VALIDATION_FRACTION = 0.05
 
 
-def ensure_shards(shards: Path, min_samples: int, seq_len: int) -> None:
-    """Make shards unless ``shards`` holds ``min_samples`` for training besides the held-out one."""
-    with contextlib.suppress(Exception):
-        found = open_shards(shards)
-        if len(found) >= 2 and sum(s.sample_count(seq_len) for s in found[:-1]) >= min_samples:
+def default_shards_dir(data: DataConfig) -> Path:
+    """Where the main job keeps the shards of the run's tokenizer: one folder per tokenizer, so
+    switching tokenizers never reuses (or overwrites) another's shards."""
+    if data.tokenizer_kind == "bpe":
+        name = f"bpe-{data.vocab_size}"
+    elif data.tokenizer_kind == "file":
+        try:
+            name = f"json-{digest(Path(data.tokenizer).read_bytes())[:12]}"
+        except OSError as exc:
+            raise click.ClickException(f"data.tokenizer: cannot read {data.tokenizer}: {exc}") from None
+    else:
+        name = "bytes"
+    return ROOT / ".agora" / "shards" / name
+
+
+def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
+    """Make shards unless ``shards`` holds ``min_samples`` training samples and a validation
+    split, made with the run's tokenizer."""
+    run = load_run_config(config)
+    seq_len = run.model.seq_len
+    with contextlib.suppress(DataError):
+        train = open_shard_set(shards, "train")
+        check_run_tokenizer(train.tokenizer, run.data, run.model.vocab_size, where=str(shards))
+        held_out = open_shard_set(shards, "validation", verify=False)  # evaluate.py verifies it
+        if sum(s.sample_count(seq_len) for s in train.shards) >= min_samples and held_out.shards:
             return
+    # Text for the samples asked (at most 4 bytes per token of a small BPE; 1 for bytes), 8 MB at least.
+    max_mb = max(8.0, min_samples * seq_len * 4 * 1.25 / 1e6)
     click.echo(f"making data shards in {shards} from the Python standard library's sources ...")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "make_shards.py"),
-            str(shards),
-            "--shards",
-            "8",
-            "--max-mb",
-            "16",
-        ],
-        check=True,
-    )
-
-
-def held_out(shard_files: list[Path]) -> tuple[list[Path], Path]:
-    """(the shards trainers get, the one kept for evaluation: the last)."""
-    if len(shard_files) < 2:
-        raise click.ClickException("the swarm needs two shards or more: one is held out for evaluation")
-    return shard_files[:-1], shard_files[-1]
+    command = [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(shards), "--config", config]
+    command += ["--shards", "8", "--max-mb", f"{max_mb:g}", "--validation-fraction", str(VALIDATION_FRACTION)]
+    subprocess.run(command, check=True)
 
 
 def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
@@ -111,23 +125,19 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
     click.echo("what did the swarm learn? exporting the model from the workers' final checkpoints ...")
     tools = ROOT / "tools"
     export = [sys.executable, str(tools / "export_model.py"), "--config", config, "--out", str(model)]
+    export += ["--shards", str(shards)]  # the model records the shards' tokenizer
     if subprocess.run([*export, "--from-checkpoints", str(run_dir / "checkpoints")]).returncode != 0:
         click.echo("no model exported (see the error above)")
         return
     evaluate = [sys.executable, str(tools / "evaluate.py"), str(model), "--shards", str(shards)]
-    subprocess.run([*evaluate, "--held-out-shard", "-1", "--samples", "128", "--tokens", "160"])
+    subprocess.run([*evaluate, "--samples", "256", "--tokens", "160"])
 
 
-def trainer_shards(run_dir: Path, shard_files: list[Path], index: int, trainers: int) -> Path:
-    """A folder of links to every trainers-th shard from ``index``: no sample is trained twice."""
-    mine = run_dir / "data" / f"trainer-{index}"
-    mine.mkdir(exist_ok=True)
-    for meta in shard_files[index::trainers]:
-        for path in (meta, meta.with_suffix(".tokens")):
-            link = mine / path.name
-            if not link.exists():
-                link.symlink_to(path.resolve())
-    return mine
+def trainer_shards(run_dir: Path, shards: Path, index: int, trainers: int) -> Path:
+    """A shard set of every trainers-th training shard from ``index``, linked: no sample is
+    trained twice, and no trainer gets the validation split."""
+    ids = [s.id for s in read_manifest(shards).split("train")][index::trainers]
+    return link_subset(shards, run_dir / "data" / f"trainer-{index}", ids)
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -220,8 +230,8 @@ def up(
     run = load_run_config(config)
     if replicas < 1 or trainers < 1 or lanes < 1:
         raise click.BadParameter("--replicas, --trainers and --lanes must be >= 1")
-    shards = shards or ROOT / ".agora" / "shards" / run.data.tokenizer
-    ensure_shards(shards, (samples or 1) * trainers, run.model.seq_len)
+    shards = shards or default_shards_dir(run.data)
+    ensure_shards(shards, config, (samples or 1) * trainers)
     run_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("logs", "keys"):
         (run_dir / sub).mkdir(exist_ok=True)
@@ -275,12 +285,14 @@ def up(
         click.echo(
             f"  workers    {len(workers)} serving, per stage {stages}; checkpoints in {run_dir / 'checkpoints'}"
         )
-        shard_files, kept = held_out(sorted(p for p in shards.glob("*.json")))
+        manifest = read_manifest(shards)
+        if len(manifest.split("train")) < trainers:
+            raise click.ClickException(f"{shards} has fewer training shards than --trainers {trainers}")
         trainer_procs = [
             start_trainer(
                 swarm,
                 t,
-                trainer_shards(run_dir, shard_files, t, trainers),
+                trainer_shards(run_dir, shards, t, trainers),
                 lanes=lanes,
                 samples=samples,
                 status_interval_s=status_interval,
@@ -289,8 +301,9 @@ def up(
             for t in range(trainers)
         ]
         click.echo(
-            f"  trainers   {trainers} started on {len(shard_files)} shards ({kept.stem} held out); "
-            f"status every {status_interval:g} s (Ctrl-C stops the swarm)"
+            f"  trainers   {trainers} started on {len(manifest.split('train'))} shards of {shards} "
+            f"({manifest.documents.get('validation', 0)} documents held out); tokenizer "
+            f"{manifest.tokenizer.describe()}; status every {status_interval:g} s (Ctrl-C stops the swarm)"
         )
         asyncio.run(watch(swarm, trainer_procs, started, duration, status_interval))
     except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -81,6 +82,31 @@ def test_config_check_summarizes_a_good_file_and_names_the_bad_key(tmp_path):
     result = runner.invoke(main, ["config", "check", str(bad)])
     assert result.exit_code == 2
     assert "averaging.segments" in result.output and "must be >= 1" in result.output
+
+
+def test_config_check_refuses_too_few_vocabulary_rows_and_warns_of_unused_ones(tmp_path):
+    runner = CliRunner()
+    tiny = runner.invoke(main, ["config", "check", str(EXAMPLES / "tiny.toml")])
+    assert "tokenizer  bpe: 512 ids, 512 model rows" in tiny.output and "warning" not in tiny.output
+    defaults = tmp_path / "defaults.toml"
+    defaults.write_text('name = "big"\n')  # bytes under the default 32000 rows
+    warned = runner.invoke(main, ["config", "check", str(defaults)])
+    assert warned.exit_code == 0
+    assert "leaves 31744 embedding and LM-head rows that the tokenizer's 256 ids never use" in warned.output
+    # A tokenizer.json is read as JSON: its ids are its vocabulary's and its added tokens'.
+    tokenizer = tmp_path / "tokenizer.json"
+    vocab = {f"t{i}": i for i in range(600)}
+    tokenizer.write_text(
+        json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 600, "content": "</s>"}]})
+    )
+    small = tmp_path / "small.toml"
+    small.write_text(f'[model]\nvocab_size = 512\n[data]\ntokenizer = "{tokenizer}"\n')
+    refused = runner.invoke(main, ["config", "check", str(small)])
+    assert refused.exit_code == 2 and ": ok" not in refused.output
+    assert "model.vocab_size: 512 is smaller than the tokenizer's 601 ids" in refused.output
+    tokenizer.unlink()
+    missing = runner.invoke(main, ["config", "check", str(small)])
+    assert missing.exit_code == 2 and f"tokenizer file {tokenizer} does not exist" in missing.output
 
 
 def test_serve_runs_a_node_that_answers_its_own_self_check():

@@ -31,7 +31,7 @@ from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_core.testing import ChildProcess, spawn_python, wait_until_async
-from agora_trainer.shards import make_shards
+from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 

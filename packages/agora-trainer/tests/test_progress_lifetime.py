@@ -11,7 +11,7 @@ from agora_core.config import parse_run_config
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.schema import trainer_progress_key
-from agora_trainer.shards import make_shards
+from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 

@@ -17,6 +17,7 @@ from agora_core.admission.credential_file import load_credential
 from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import NodeSettings
 from agora_core.config.unimplemented import NOT_IMPLEMENTED
+from agora_core.config.vocabulary import vocabulary_fit
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.heap import settle_startup_heap
@@ -74,6 +75,10 @@ def config_check(file: str) -> None:
 
     Keys the code does not act on yet are listed; a config that sets one is refused."""
     run = load_config(file)
+    try:  # a model with fewer rows than the tokenizer has ids cannot embed every token
+        fit = vocabulary_fit(run)
+    except ConfigError as exc:
+        fail(f"{file}: {exc}")
     m = run.model
     click.echo(f"{file}: ok")
     click.echo(f"  run        {run.name} (seed {run.seed})")
@@ -82,6 +87,9 @@ def config_check(file: str) -> None:
         f"vocab={m.vocab_size}, seq={m.seq_len}"
     )
     click.echo(f"  stages     {m.n_stages} with blocks {list(m.stage_layers)}")
+    click.echo(f"  tokenizer  {run.data.tokenizer}: {fit.tokenizer_ids} ids, {fit.model_rows} model rows")
+    if fit.warning:
+        click.echo(f"  warning    {fit.warning}")
     o = run.optimizer
     click.echo(
         f"  optimizer  AdamW lr={o.lr:g}, warmup={o.warmup_steps}, steps={o.total_steps}, "

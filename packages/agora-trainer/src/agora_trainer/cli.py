@@ -24,7 +24,6 @@ from agora_core.node_cli import (
 )
 from agora_core.run_node import RunNode
 from agora_trainer import __version__
-from agora_trainer.shards import ShardError
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 
@@ -198,6 +197,6 @@ def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> Non
             admission=admission,
         )
         code = asyncio.run(_run(trainer, node, status_interval_s))
-    except (AgoraError, ShardError, OSError, ValueError) as exc:
+    except (AgoraError, OSError, ValueError) as exc:  # DataError is an AgoraError
         fail(str(exc), code=1)
     sys.exit(code)

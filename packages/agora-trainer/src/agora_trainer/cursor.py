@@ -8,6 +8,7 @@ were in flight when it stopped are done again, since their updates never complet
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import os
@@ -18,7 +19,7 @@ import numpy as np
 
 from agora_trainer.shards import Shard
 
-STATE_FORMAT = "agora-trainer-cursor-v1"
+STATE_FORMAT = "agora-trainer-cursor-v2"
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class SampleCursor:
     def __init__(self, shards: list[Shard], seq_len: int, state_path: Path | None = None):
         self._shards = shards
         self._seq_len = seq_len
-        self._starts = np.cumsum([0] + [s.sample_count(seq_len) for s in shards])
-        self.total = int(self._starts[-1])
+        self._starts = [int(n) for n in np.cumsum([0] + [s.sample_count(seq_len) for s in shards])]
+        self.total = self._starts[-1]
         self._state_path = state_path
         self.watermark = 0
         self._done_above: set[int] = set()
@@ -44,7 +45,7 @@ class SampleCursor:
 
     def _load(self, path: Path) -> None:
         state = json.loads(path.read_text())
-        if state.get("format") != STATE_FORMAT or state.get("shards") != [s.name for s in self._shards]:
+        if state.get("format") != STATE_FORMAT or state.get("shards") != self._identity():
             raise ValueError(f"{path} belongs to another set of shards; move it away to start over")
         if state.get("seq_len") != self._seq_len:
             raise ValueError(
@@ -54,13 +55,17 @@ class SampleCursor:
         self._done_above = {int(i) for i in state["done_above"]}
         self._next = self.watermark
 
+    def _identity(self) -> list[list[str]]:
+        """The shards by name and digest: a shard remade under the same name is another shard."""
+        return [[s.name, s.entry.blake2b] for s in self._shards]
+
     def save(self) -> None:
         """Write the state atomically (a crash leaves the previous state, never a torn one)."""
         if self._state_path is None:
             return
         state = {
             "format": STATE_FORMAT,
-            "shards": [s.name for s in self._shards],
+            "shards": self._identity(),
             "seq_len": self._seq_len,
             "watermark": self.watermark,
             "done_above": sorted(self._done_above),
@@ -79,8 +84,8 @@ class SampleCursor:
         return self.done >= self.total
 
     def _load_sample(self, sample_id: int) -> Sample:
-        shard = int(np.searchsorted(self._starts, sample_id, side="right")) - 1
-        index = sample_id - int(self._starts[shard])
+        shard = bisect.bisect_right(self._starts, sample_id) - 1  # plain ints: no numpy call per sample
+        index = sample_id - self._starts[shard]
         return Sample(sample_id, self._shards[shard].sample(index, self._seq_len))
 
     def take(self) -> Sample | None:

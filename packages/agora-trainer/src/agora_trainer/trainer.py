@@ -39,9 +39,9 @@ from agora_core.schema import (
 )
 from agora_trainer.balancer import StageBalancer
 from agora_trainer.cursor import Sample, SampleCursor
+from agora_trainer.manifest import check_run_tokenizer
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
-from agora_trainer.shards import ShardError, open_shards
-from agora_trainer.tokenizer import get_tokenizer
+from agora_trainer.shards import open_shard_set
 
 log = get_logger("trainer")
 
@@ -97,14 +97,11 @@ class Trainer:
         self.settings = settings or TrainerSettings()
         check_refresh(self.settings.progress_interval_s, run.dht.record_ttl_s, "progress_interval_s")
         self.metrics = metrics or NodeMetrics(role="trainer", instance=key.node_id[:12])
-        shards = open_shards(shards_dir)
-        tokenizer = get_tokenizer(run.data.tokenizer)
-        for shard in shards:
-            if shard.tokenizer != tokenizer.name or shard.vocab_size > run.model.vocab_size:
-                raise ShardError(
-                    f"shard {shard.name} was made with tokenizer {shard.tokenizer!r} (vocab {shard.vocab_size}); "
-                    f"the run uses {tokenizer.name!r} with a vocab of {run.model.vocab_size}"
-                )
+        # Training shards only (validation ones are never opened), each checked against its
+        # digest, made with the run's tokenizer.
+        shard_set = open_shard_set(shards_dir, "train")
+        check_run_tokenizer(shard_set.tokenizer, run.data, run.model.vocab_size, where=str(shards_dir))
+        shards = shard_set.shards
         state = (
             Path(self.settings.state_file)
             if self.settings.state_file

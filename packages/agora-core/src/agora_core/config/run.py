@@ -82,10 +82,49 @@ class ModelConfig:
         return sum(self.stage_layers)
 
 
+BYTE_VOCAB = 256  # the byte tokenizer's ids: one per byte value
+BPE_MIN_VOCAB = BYTE_VOCAB + 1  # a byte-level BPE holds every byte and the document separator
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    tokenizer: Literal["bytes"] = "bytes"  # byte-level: no download needed
+    # What turns text into token ids; the shards' manifest records it and every node checks it:
+    #   "bytes"  one token per UTF-8 byte (256 ids);
+    #   "bpe"    a byte-level BPE of ``vocab_size`` ids that tools/make_shards.py trains on the
+    #            run's corpus and stores with the shards (nothing downloaded);
+    #   a path to a Hugging Face ``tokenizer.json`` (relative to the working directory).
+    tokenizer: str = "bytes"
+    vocab_size: int | None = None  # "bpe" only: the trained tokenizer's ids, separator included
     shuffle_seed: int = 0  # not implemented yet: samples come in shard order (config/unimplemented.py)
+
+    def __post_init__(self) -> None:
+        require(
+            self.tokenizer in ("bytes", "bpe") or self.tokenizer.endswith(".json"),
+            "tokenizer",
+            f'must be "bytes", "bpe" or the path of a tokenizer.json, got {self.tokenizer!r}',
+        )
+        if self.tokenizer == "bpe":
+            require(
+                self.vocab_size is not None and BPE_MIN_VOCAB <= self.vocab_size <= 1 << 20,
+                "vocab_size",
+                f'tokenizer = "bpe" needs vocab_size in [{BPE_MIN_VOCAB}, {1 << 20}] '
+                "(256 bytes, the document separator, then merges)",
+            )
+        else:
+            require(
+                self.vocab_size is None,
+                "vocab_size",
+                f'applies to tokenizer = "bpe" only; {self.tokenizer!r} has a vocabulary of its own',
+            )
+
+    @property
+    def tokenizer_kind(self) -> Literal["bytes", "bpe", "file"]:
+        return "file" if self.tokenizer.endswith(".json") else self.tokenizer  # type: ignore[return-value]
+
+    @property
+    def known_vocab_size(self) -> int | None:
+        """The tokenizer's ids where the config alone says (None for a tokenizer.json file)."""
+        return {"bytes": BYTE_VOCAB, "bpe": self.vocab_size}.get(self.tokenizer)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -278,10 +317,12 @@ class RunConfig:
             f"must exceed averaging.matchmaking_window_s ({self.averaging.matchmaking_window_s:g}): "
             "a peer's matchmaking entry must last through the window",
         )
+        tokenizer_vocab = self.data.known_vocab_size
         require(
-            self.model.vocab_size >= 256 or self.data.tokenizer != "bytes",
+            tokenizer_vocab is None or self.model.vocab_size >= tokenizer_vocab,
             "model.vocab_size",
-            "the byte tokenizer needs vocab_size >= 256",
+            f"must be >= the {self.data.tokenizer} tokenizer's {tokenizer_vocab} ids "
+            "(every id needs an embedding and an LM-head row)",
         )
 
 

@@ -1,7 +1,9 @@
 """A whole trained model in one file: every stage's weights, the run config, each stage's step.
 
     model.safetensors   tensors   stage<s>/<parameter name>, float32, one replica per stage
-                        metadata  format, run_config (TOML), stage_steps (JSON list), source
+                        metadata  format, run_config (TOML), stage_steps (JSON list), source,
+                                  tokenizer (JSON: the shard manifest's tokenizer entry, when
+                                  the exporter was given the shards)
     model.toml          the same run config, next to it, for people and tools that read TOML
 
 The weights come from one replica of each stage (its checkpoint, or its live state over RPC:
@@ -43,6 +45,9 @@ class ExportedModel:
     weights: list[dict[str, np.ndarray]]  # per stage: parameter name -> float32 array
     steps: list[int]  # per stage: the optimizer step its weights are at
     source: str  # where they came from: "checkpoints", "live", "reference"
+    # The tokenizer of the shards it was trained on, as their manifest describes it (JSON text,
+    # read by agora-trainer; "" when unknown), so evaluation refuses shards of another tokenizer.
+    tokenizer: str = ""
 
     def __post_init__(self) -> None:
         n = self.run.model.n_stages
@@ -123,6 +128,8 @@ def write_model(path: str | Path, model: ExportedModel) -> Path:
         "stage_steps": json.dumps(model.steps),
         "source": model.source,
     }
+    if model.tokenizer:
+        metadata["tokenizer"] = model.tokenizer
     for target, write in (
         (path, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata=metadata)),
         (path.with_suffix(".toml"), lambda tmp: tmp.write_text(config)),
@@ -169,4 +176,10 @@ def read_model(path: str | Path) -> ExportedModel:
         if match is None or int(match.group(1)) >= n:
             raise ModelFileError(f"{path}: tensor {key!r} is not stage<0..{n - 1}>/<parameter name>")
         weights[int(match.group(1))][match.group(2)] = array
-    return ExportedModel(run=run, weights=weights, steps=steps, source=metadata.get("source", ""))
+    return ExportedModel(
+        run=run,
+        weights=weights,
+        steps=steps,
+        source=metadata.get("source", ""),
+        tokenizer=metadata.get("tokenizer", ""),
+    )

@@ -23,7 +23,7 @@ from agora_core.admission.credential import SignedCredential  # noqa: E402
 from agora_core.admission.credential_file import load_credential  # noqa: E402
 from agora_core.config import RunConfig, load_run_config  # noqa: E402
 from agora_core.identity import NodeKey  # noqa: E402
-from swarm import ensure_shards, held_out, trainer_shards  # noqa: E402
+from swarm import default_shards_dir, ensure_shards, trainer_shards  # noqa: E402, F401  (churn.py takes default_shards_dir from here)
 from swarm_authorizer import authorize  # noqa: E402
 from swarm_operator import credential_file, key_file, prepare_operator  # noqa: E402
 
@@ -46,7 +46,7 @@ class DrivenSwarm:
         """A fresh authorized, monitored swarm: seed, authorizer, monitor, ``replicas`` workers
         per stage (placed by the authorizer), serving; no trainer yet."""
         run = load_run_config(self.config)
-        ensure_shards(self.shards, 1, run.model.seq_len)
+        ensure_shards(self.shards, self.config, 1)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         for sub in ("logs", "keys", "data"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -62,8 +62,7 @@ class DrivenSwarm:
         started = [self.start_worker(None) for _ in range(run.model.n_stages * self.replicas)]
         for member, proc in started:
             self.wait_serving(member, proc)
-        shard_files, _kept = held_out(sorted(self.shards.glob("*.json")))
-        self.trainer_dir = trainer_shards(self.run_dir, shard_files, 0, 1)
+        self.trainer_dir = trainer_shards(self.run_dir, self.shards, 0, 1)
 
     def start_worker(self, stage: int | None):
         with self.lock:

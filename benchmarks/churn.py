@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _churn_logs import abandoned_ids, last_loss, log_lines, read_losses, rounds, sample_figures
-from _churn_swarm import ROOT, DrivenSwarm
+from _churn_swarm import ROOT, DrivenSwarm, default_shards_dir, load_run_config
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.contract import Phase
 from agora_core.dht import DhtError
@@ -349,11 +349,15 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=15.0, help="seconds between failures")
     parser.add_argument("--seed", type=int, default=0, help="of the failure schedule")
     parser.add_argument("--config", default=str(ROOT / "examples" / "tiny.toml"))
-    parser.add_argument("--shards", default=str(ROOT / ".agora" / "shards" / "bytes"), help="made if missing")
+    parser.add_argument(
+        "--shards", help="made if missing (default: the main job's, for the config's tokenizer)"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="workers per stage")
     parser.add_argument("--lanes", type=int, default=4, help="the trainer's samples in flight")
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "churn"), help="where both runs live")
     args = parser.parse_args()
+    if args.shards is None:
+        args.shards = str(default_shards_dir(load_run_config(args.config).data))
     configure_logging(fmt="console", level="warning")
     asyncio.run(main_async(args))
 

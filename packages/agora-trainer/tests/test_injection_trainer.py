@@ -23,7 +23,7 @@ from agora_core.injection.publish import new_injection, publish
 from agora_core.rpc import Payload, RpcServer
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_core.testing import wait_until_async
-from agora_trainer.shards import make_shards
+from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 

@@ -12,6 +12,9 @@ import re
 from pathlib import Path
 
 from _churn_swarm import DrivenSwarm
+from agora_core.config import RunConfig
+from agora_trainer.cursor import reading_order
+from agora_trainer.shards import open_shards
 
 
 def read_losses(path: Path) -> list[dict]:
@@ -24,12 +27,21 @@ def read_losses(path: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["t"])
 
 
-def sample_figures(records: list[dict], abandoned: set[int], until: float | None = None) -> dict:
+def sample_order(shards: Path, run: RunConfig) -> list[int]:
+    """The sample ids in the order a trainer reading every shard takes them (data.shuffle_seed)."""
+    return reading_order(open_shards(shards), run.model.seq_len, run.data.shuffle_seed)
+
+
+def sample_figures(
+    records: list[dict], abandoned: set[int], order: list[int], until: float | None = None
+) -> dict:
     """What the loss log says; the rate is over [first completion, ``until``] (default: the
-    last completion), so a trainer that stalls before the end is not flattered."""
+    last completion), so a trainer that stalls before the end is not flattered. ``order``: the
+    ids in the order the trainer takes them: every one before the last completed is expected."""
     ids = [r["id"] for r in records]
     unique = set(ids)
-    expected = set(range(max(unique) + 1)) if unique else set()
+    place = {sample_id: i for i, sample_id in enumerate(order)}
+    expected = set(order[: max(place[i] for i in unique) + 1]) if unique else set()
     first = {}
     for r in records:
         first.setdefault(r["id"], r)

@@ -23,7 +23,7 @@ from agora_core.admission.credential import SignedCredential  # noqa: E402
 from agora_core.admission.credential_file import load_credential  # noqa: E402
 from agora_core.config import RunConfig, load_run_config  # noqa: E402
 from agora_core.identity import NodeKey  # noqa: E402
-from swarm import default_shards_dir, ensure_shards, trainer_shards  # noqa: E402, F401  (churn.py takes default_shards_dir from here)
+from swarm import default_shards_dir, ensure_shards  # noqa: E402, F401  (churn.py takes default_shards_dir from here)
 from swarm_authorizer import authorize  # noqa: E402
 from swarm_operator import credential_file, key_file, prepare_operator  # noqa: E402
 
@@ -62,7 +62,7 @@ class DrivenSwarm:
         started = [self.start_worker(None) for _ in range(run.model.n_stages * self.replicas)]
         for member, proc in started:
             self.wait_serving(member, proc)
-        self.trainer_dir = trainer_shards(self.run_dir, self.shards, 0, 1)
+        self.trainer_dir = self.shards  # one trainer reads every shard
 
     def start_worker(self, stage: int | None):
         with self.lock:

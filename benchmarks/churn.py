@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _churn_logs import abandoned_ids, last_loss, log_lines, read_losses, rounds, sample_figures
+from _churn_logs import abandoned_ids, last_loss, log_lines, read_losses, rounds, sample_figures, sample_order
 from _churn_swarm import ROOT, DrivenSwarm, default_shards_dir, load_run_config
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.contract import Phase
@@ -286,9 +286,10 @@ async def main_async(args) -> None:
     report = Report("churn", as_json=args.json)
     swarm, churn, ended = await churn_run(args, report)
     seq_len = swarm.run.model.seq_len
-    ours = sample_figures(read_losses(swarm.loss_log()), abandoned_ids(swarm), until=ended)
+    order = sample_order(Path(args.shards), swarm.run)
+    ours = sample_figures(read_losses(swarm.loss_log()), abandoned_ids(swarm), order, until=ended)
     calm = await calm_run(args, report, ours["completed"])
-    theirs = sample_figures(read_losses(calm.loss_log()), abandoned_ids(calm))
+    theirs = sample_figures(read_losses(calm.loss_log()), abandoned_ids(calm), order)
     count = min(ours["completed"], theirs["completed"])
     obeyed = {
         m.group(1)

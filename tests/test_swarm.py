@@ -29,6 +29,7 @@ from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.schema import averaging_summary_key
 from agora_core.testing import wait_until
+from agora_trainer.cursor import reading_order
 from agora_trainer.held_out import validation_samples
 from agora_trainer.shards import open_shard_set
 from agora_worker.checkpoint import CheckpointStore, find_manifests
@@ -250,7 +251,16 @@ def swarm_factory(tmp_path):
         swarm.stop()
 
 
-def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, export: Path) -> np.ndarray:
+def first_samples(shards: Path, run, count: int) -> list[int]:
+    """The ids of the first ``count`` samples the trainer takes (shuffled by data.shuffle_seed)."""
+    return reading_order(
+        open_shard_set(shards, "train").shards, run.model.seq_len, run.data.shuffle_seed, count
+    )
+
+
+def reference_losses(
+    config: Path, shards: Path, samples: int, out: Path, *, export: Path, order: list[int]
+) -> np.ndarray:
     script = str(ROOT / "tools" / "reference_train.py")
     flags = ["--config", str(config), "--shards", str(shards), "--samples", str(samples)]
     subprocess.run(
@@ -269,8 +279,8 @@ def reference_losses(config: Path, shards: Path, samples: int, out: Path, *, exp
         capture_output=True,
         timeout=REFERENCE_S,
     )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    return np.array([r["loss"] for r in sorted(records, key=lambda r: r["id"])])
+    losses = {r["id"]: r["loss"] for r in map(json.loads, out.read_text().splitlines())}
+    return np.array([losses[i] for i in order])  # the reference reads the same samples in the same order
 
 
 @pytest.mark.timeout(RUN_S + REFERENCE_S + MARGIN_S, func_only=True)
@@ -291,10 +301,13 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, config, shard
     output = swarm.wait_done()
     assert swarm.proc.returncode == 0, output
     losses = swarm.losses()
-    assert sorted(losses) == list(range(SAMPLES)), output  # every sample once, none lost
-    ours = np.array([losses[i] for i in range(SAMPLES)])
+    order = first_samples(shards, swarm.run, SAMPLES)
+    assert sorted(losses) == sorted(order), output  # every sample once, none lost
+    ours = np.array([losses[i] for i in order])
     reference = tmp_path / "reference.safetensors"
-    theirs = reference_losses(config, shards, SAMPLES, tmp_path / "reference.jsonl", export=reference)
+    theirs = reference_losses(
+        config, shards, SAMPLES, tmp_path / "reference.jsonl", export=reference, order=order
+    )
     window = slice(SAMPLES // 2, SAMPLES)  # the second half: the same samples on both sides
     gap = ours[window].mean() / theirs[window].mean() - 1
     print(f"swarm {ours[window].mean():.4f} vs reference {theirs[window].mean():.4f}: {gap:+.2%}")
@@ -360,8 +373,9 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     output = swarm.wait_done()
     assert swarm.proc.returncode == 0, output
     losses = swarm.losses()
-    assert sorted(losses) == list(range(SAMPLES)), output  # nothing lost to the departure
-    curve = np.array([losses[i] for i in range(SAMPLES)])
+    order = first_samples(shards, swarm.run, SAMPLES)
+    assert sorted(losses) == sorted(order), output  # nothing lost to the departure
+    curve = np.array([losses[i] for i in order])
     assert curve[-128:].mean() < curve[:64].mean() - LEARNED_NATS  # it kept learning
     assert phases[0] in ("downloading", "weight_sync") and "weight_sync" in phases, phases
     # No spike when it joins: the samples after it became visible fare no worse than those before.
@@ -412,4 +426,5 @@ def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shar
     swarm.while_running(stepped_on_from_the_checkpoint, what="the resumed worker to train on")
     output = swarm.wait_done()
     assert swarm.proc.returncode == 0, output
-    assert sorted(swarm.losses()) == list(range(samples)), output  # the stage's outage lost no sample
+    expected = sorted(first_samples(shards, swarm.run, samples))
+    assert sorted(swarm.losses()) == expected, output  # the stage's outage lost no sample

@@ -38,97 +38,18 @@ directory (swarm.json, run.toml, keys/operator.key, keys/operator.credential).
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import click
 
-from agora_core.admission.credential import SignedCredential
-from agora_core.admission.credential_file import load_credential
-from agora_core.config import RunConfig, load_run_config
-from agora_core.errors import AgoraError
-from agora_core.identity import NodeKey
 from agora_core.injection import Action, InjectionRejected, Targets, Trigger
 from agora_core.injection.publish import DEFAULT_TTL_S, clear, list_injections, new_injection, publish
 from agora_core.logs import configure_logging
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
-
-
-@dataclass
-class Operator:
-    run: RunConfig
-    bootstrap: list[str]
-    key: NodeKey
-    credential: SignedCredential | None
-
-    async def node(self) -> RunNode:
-        node = RunNode(
-            run=self.run,
-            key=self.key,
-            metrics=NodeMetrics(role="operator", instance=self.key.node_id[:12]),
-            bootstrap=self.bootstrap,
-            credential=self.credential,
-        )
-        await node.start()
-        return node
-
-
-def resolve(run_dir, bootstrap, config, key_file, credential_file) -> Operator:
-    """The run, where to join it and the operator's identity: from the flags, falling back on
-    a local swarm's run directory."""
-    if run_dir is not None:
-        swarm = json.loads((Path(run_dir) / "swarm.json").read_text())
-        bootstrap = bootstrap or (swarm["seed_address"],)
-        config = config or swarm["config"]
-        keys = Path(run_dir) / "keys"
-        key_file = key_file or keys / "operator.key"
-        if credential_file is None and (keys / "operator.credential").exists():
-            credential_file = keys / "operator.credential"
-    if not bootstrap or not config or not key_file:
-        raise click.UsageError("give --run-dir, or --bootstrap, --config and --key")
-    run = load_run_config(config)
-    key = NodeKey.load(key_file)
-    credential = None
-    if run.admission.authorized:
-        if credential_file is None:
-            raise click.UsageError(
-                "an authorized run needs --credential (agora-authorizer credential --role operator)"
-            )
-        credential = load_credential(
-            credential_file,
-            authorizer_public_key=run.admission.authorizer_key_bytes,
-            run=run.name,
-            public_key=key.public_key,
-        )
-    return Operator(run, list(bootstrap), key, credential)
+from operator_session import operator_options, resolve, run_or_exit  # tools/ is on sys.path
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--run-dir",
-    type=click.Path(file_okay=False, exists=True),
-    help="A local swarm's run directory (tools/swarm.py up): bootstrap, config and keys from it.",
-)
-@click.option(
-    "--bootstrap", multiple=True, help="A DHT member of the run (<hex key>@host:port in an authorized run)."
-)
-@click.option(
-    "--config", type=click.Path(dir_okay=False, exists=True), help="The run config every node runs on."
-)
-@click.option(
-    "--key", "key_file", type=click.Path(dir_okay=False, exists=True), help="The operator's key file."
-)
-@click.option(
-    "--credential",
-    "credential_file",
-    type=click.Path(dir_okay=False, exists=True),
-    help="Authorized run: the key's operator credential (agora-authorizer credential --role operator).",
-)
+@operator_options
 @click.pass_context
 def main(ctx, run_dir, bootstrap, config, key_file, credential_file) -> None:
     """Order failures in a live Agora run through its DHT.
@@ -145,11 +66,7 @@ def main(ctx, run_dir, bootstrap, config, key_file, credential_file) -> None:
 
 
 def _run(coroutine) -> None:
-    try:
-        asyncio.run(coroutine)
-    except (AgoraError, InjectionRejected, OSError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    run_or_exit(coroutine, InjectionRejected)
 
 
 @main.command()
@@ -222,7 +139,7 @@ def add(
             targets=targets,
             ttl_s=ttl_s,
             record_id=record_id,
-            credential=None if found.credential is None else found.credential.to_value(),
+            credential=found.credential_value(),
             **params,
         )
         node = await found.node()

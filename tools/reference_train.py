@@ -90,7 +90,7 @@ def train(
     torch.manual_seed(run.seed)
     shard_set = open_shard_set(shards_dir, "train")  # as a trainer: verified, never the validation split
     check_run_tokenizer(shard_set.tokenizer, run.data, run.model.vocab_size, where=shards_dir)
-    cursor = SampleCursor(shard_set.shards, run.model.seq_len)
+    cursor = SampleCursor(shard_set.shards, run.model.seq_len, shuffle_seed=run.data.shuffle_seed)
     if samples > cursor.total:
         raise ShardError(
             f"the shards hold {cursor.total} samples of {run.model.seq_len} tokens; asked for {samples}"

@@ -54,7 +54,8 @@ import click
 from agora_core.config import DataConfig, load_run_config
 from agora_core.logs import configure_logging
 from agora_trainer.errors import DataError
-from agora_trainer.manifest import check_run_tokenizer, link_subset, read_manifest
+from agora_trainer.manifest import check_run_tokenizer, read_manifest
+from agora_trainer.rotation_record import format_ranges
 from agora_trainer.shards import open_shard_set
 from agora_trainer.tokenizer import digest
 from swarm_authorizer import authorize, db_url
@@ -133,11 +134,11 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
     subprocess.run([*evaluate, "--samples", "256", "--tokens", "160"])
 
 
-def trainer_shards(run_dir: Path, shards: Path, index: int, trainers: int) -> Path:
-    """A shard set of every trainers-th training shard from ``index``, linked: no sample is
-    trained twice, and no trainer gets the validation split."""
+def trainer_ranges(shards: Path, index: int, trainers: int) -> str:
+    """Trainer ``index``'s share: every trainers-th training shard from ``index`` (its
+    --shard-ranges, until the operator rotates them: tools/rotate_shards.py)."""
     ids = [s.id for s in read_manifest(shards).split("train")][index::trainers]
-    return link_subset(shards, run_dir / "data" / f"trainer-{index}", ids)
+    return format_ranges(ids)
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -292,7 +293,8 @@ def up(
             start_trainer(
                 swarm,
                 t,
-                trainer_shards(run_dir, shards, t, trainers),
+                shards,
+                shard_ranges=trainer_ranges(shards, t, trainers),
                 lanes=lanes,
                 samples=samples,
                 status_interval_s=status_interval,

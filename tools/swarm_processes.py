@@ -280,9 +280,11 @@ def start_trainer(
     lanes: int,
     samples: int | None,
     status_interval_s: float,
+    shard_ranges: str | None = None,
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Start trainer ``index`` on the shards in ``shards`` and record it in swarm.json."""
+    """Start trainer ``index`` on the shards in ``shards`` (those of ``shard_ranges``: all
+    without) and record it in swarm.json; its position in them is kept in the run dir."""
     run_dir = Path(swarm.run_dir)
     name = f"trainer-{index}"
     log = run_dir / "logs" / f"{name}.log"
@@ -309,6 +311,9 @@ def start_trainer(
         "--status-interval",
         str(status_interval_s),
     ]
+    args += ["--state-file", str(run_dir / "data" / f"{name}.state.json")]
+    if shard_ranges is not None:
+        args += ["--shard-ranges", shard_ranges]
     if samples:
         args += ["--max-samples", str(samples)]
     args += extra

@@ -2,7 +2,8 @@
 points, and a NaN it is told to send is refused by the worker and costs one sample, counted.
 
 The two stages are plain RPC servers on 127.0.0.1 that answer like a head and a tail (and
-refuse a non-finite gradient, as a worker's input check does), so no torch is imported here.
+refuse a non-finite gradient, as a worker's input check does: ``agora_trainer.testing``), so
+no torch is imported here.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ import numpy as np
 
 from agora_core.config import OperatorConfig, RunConfig
 from agora_core.config.run import DhtConfig, ModelConfig
-from agora_core.contract import Method, Phase
 from agora_core.dht import DhtNode
-from agora_core.dht.owned import OwnedEntry
-from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
-from agora_core.rpc import Payload, RpcServer
-from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_core.testing import wait_until_async
 from agora_trainer.sharding import make_shards
+from agora_trainer.testing import StandInStage
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
@@ -45,60 +42,15 @@ RUN = RunConfig(
 )
 
 
-class Stage:
-    """A head or a tail on a real RPC server: answers shapes, records the gradients it got."""
-
-    def __init__(self, stage: int):
-        self.stage, self.grads = stage, []
-        self.server = RpcServer(listen="127.0.0.1:0")
-        if stage == 0:
-            self.server.register(Method.FORWARD, self.forward)
-            self.server.register(Method.BACKWARD, self.backward)
-        else:
-            self.server.register(Method.FORWARD_BACKWARD, self.forward_backward)
-
-    def forward(self, request) -> Payload:
-        tokens = request.tensors["tokens"]
-        return Payload(tensors={"boundary": np.zeros((*tokens.shape, K), np.float32)})
-
-    def backward(self, request) -> Payload:
-        grad = request.tensors["grad"]
-        self.grads.append(grad)
-        if not np.isfinite(grad).all():  # a worker's input check (agora_worker.tensors)
-            raise BadRequest("'grad' holds NaN or infinite values")
-        return Payload()
-
-    def forward_backward(self, request) -> Payload:
-        tokens = request.tensors["tokens"]
-        return Payload(
-            tensors={"loss": np.ones(1, np.float32), "grad": np.ones((*tokens.shape, K), np.float32)}
-        )
-
-    async def announce(self, dht: DhtNode, key: NodeKey) -> None:
-        announcement = WorkerAnnouncement(
-            node_id=key.node_id,
-            address=self.server.address,
-            stage=self.stage,
-            phase=Phase.SERVING,
-            throughput=100.0,
-            load=0,
-            max_batch=8,
-            version="test",
-        )
-        await OwnedEntry(dht, key, stage_workers_key(RUN.name, self.stage)).publish(
-            announcement.to_value(), 60
-        )
-
-
 async def test_a_trainer_obeys_its_records_at_its_hops_and_a_nan_it_sends_costs_one_sample(tmp_path):
     # a few hundred samples from this file: the standard library's sources take seconds to scan
     make_shards(tmp_path / "shards", shards=1, tokenizer=ByteTokenizer(), sources=[Path(__file__)])
     seed = DhtNode(key=NodeKey.generate(), config=RUN.dht)
     await seed.start()
-    stages = [Stage(0), Stage(1)]
+    stages = [StandInStage(0, K), StandInStage(1, K)]
     for stage in stages:
         await stage.server.start()
-        await stage.announce(seed, NodeKey.generate())
+        await stage.announce(seed, RUN.name)
     trainer = Trainer(
         run=RUN,
         shards_dir=tmp_path / "shards",

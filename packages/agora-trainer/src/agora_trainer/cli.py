@@ -148,6 +148,12 @@ async def _follow(trainer: Trainer, training: asyncio.Task, status_interval_s: f
     "--state-file", help="Where the position in the shards is kept (default: in the shards folder)."
 )
 @click.option(
+    "--shard-ranges",
+    help="The shard ids this trainer reads, e.g. 0-3,8 (default: all), until the operator assigns "
+    "others (tools/rotate_shards.py).",
+)
+@click.option("--epochs", type=int, help="Passes over its shards, each in a new shuffled order (default 1).")
+@click.option(
     "--backward-routing",
     type=click.Choice(["pinned", "random"]),
     help="pinned (default): a backward goes to the worker that ran its forward; random: ablation only.",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agora_core.config import DataConfig
@@ -181,28 +181,6 @@ def check_run_tokenizer(entry: TokenizerEntry, data: DataConfig, model_vocab: in
             raise TokenizerError(f"{made}; the run's {path} is another tokenizer (its digest differs)")
     if entry.vocab_size > model_vocab:
         raise TokenizerError(f"{made}; the run's model.vocab_size {model_vocab} has too few rows for its ids")
-
-
-def link_subset(directory: str | Path, out: str | Path, shard_ids: list[int]) -> Path:
-    """A shard set in ``out`` of only the training shards ``shard_ids`` of ``directory``, its
-    files linked, not copied: one trainer's share. No validation shard goes with it."""
-    directory, out = Path(directory).resolve(), Path(out)
-    manifest = read_manifest(directory)
-    by_id = {s.id: s for s in manifest.split("train")}
-    missing = [i for i in shard_ids if i not in by_id]
-    if missing:
-        raise ShardError(f"{directory} has no training shards {missing}")
-    out.mkdir(parents=True, exist_ok=True)
-    files = [f"{by_id[i].name}.tokens" for i in shard_ids]
-    if manifest.tokenizer.file:
-        files.append(manifest.tokenizer.file)
-    for name in files:
-        link = out / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(directory / name)
-    write_manifest(out, replace(manifest, shards=tuple(by_id[i] for i in shard_ids)))
-    return out
 
 
 def tokenizer_record(entry: TokenizerEntry) -> str:

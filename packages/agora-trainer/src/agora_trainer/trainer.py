@@ -15,17 +15,17 @@ import collections
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.admission.revocations import parse_revocations, revocations_key
-from agora_core.config import RunConfig, require
+from agora_core.config import RunConfig
 from agora_core.dht import DhtError
 from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.injection import InjectionPoints, InjectionWatcher, NodeEffects
+from agora_core.injection.operators import OperatorKeys
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -40,37 +40,16 @@ from agora_core.schema import (
 from agora_trainer.balancer import StageBalancer
 from agora_trainer.cursor import Sample, SampleCursor
 from agora_trainer.manifest import check_run_tokenizer
+from agora_trainer.rotation import ShardRotation
+from agora_trainer.rotation_record import longest_ttl_s
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
+from agora_trainer.settings import TrainerSettings
 from agora_trainer.shards import open_shard_set
 
 log = get_logger("trainer")
 
 LOSS_EMA = 0.95  # weight of the running value in the loss average
-
-
-@dataclass(kw_only=True, frozen=True)
-class TrainerSettings:
-    lanes: int = 8  # samples in flight at once (each lane is one of the paper's trainers)
-    max_samples: int | None = None  # stop after completing this many (None: run the shards out)
-    refresh_interval_s: float = 5.0  # how often worker lists are re-read from the DHT
-    ban_s: float = 10.0  # a worker whose call failed is skipped this long
-    # How often progress is published to the DHT; at most dht.record_ttl_s / 3 (its lifetime).
-    progress_interval_s: float = 2.0
-    max_attempts: int = 5  # per stage call, across the stage's workers
-    wait_for_worker_s: float = 120.0  # how long a stage may have no usable worker, at start and per call
-    max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
-    state_file: str | None = None  # where the shard position is kept (default: in --shards)
-    loss_log: str | None = None  # JSON lines file: one {"id", "loss", "t"} per completed sample
-    backward_routing: str = "pinned"  # "random": backward to any replica (ablation only)
-
-    def __post_init__(self) -> None:
-        require(self.lanes >= 1, "lanes", "must be >= 1")
-        require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
-        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s"):
-            require(getattr(self, name) > 0, name, "must be positive")
-        require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
-        require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
-        require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
+IDLE_POLL_S = 0.05  # a lane with nothing to take looks again this often
 
 
 class Trainer:
@@ -107,7 +86,14 @@ class Trainer:
             if self.settings.state_file
             else Path(shards_dir) / f".trainer-{key.node_id[:12]}.json"
         )
-        self.cursor = SampleCursor(shards, run.model.seq_len, state)
+        self.cursor = SampleCursor(
+            shards,
+            run.model.seq_len,
+            state,
+            shuffle_seed=run.data.shuffle_seed,
+            epochs=self.settings.epochs,
+            assigned=self.settings.assigned_shards(),
+        )
         self.node = node or RunNode(
             run=run,
             key=key,
@@ -141,6 +127,19 @@ class Trainer:
             effects=NodeEffects(slow=self.router.slowdown.set, corrupt_next_gradient=self._corrupt_next),
         )
         self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
+        self.rotation = ShardRotation(
+            dht=self.dht,
+            key=key,
+            run_name=run.name,
+            cursor=self.cursor,
+            operators=OperatorKeys(
+                run.operator, None if self.node.security is None else self.node.security.verifier
+            ),
+            interval_s=self.settings.progress_interval_s,
+            adopt_after_s=self.settings.shard_adopt_after_s,
+            claim_ttl_s=longest_ttl_s(run.dht.max_expiration_ahead_s, run.dht.max_clock_skew_s),
+            metrics=self.metrics,
+        )
         self.lanes = [LaneState() for _ in range(self.settings.lanes)]
         self.revoked: set[str] = set()  # worker node ids on the run's revocation list
         self.completed_ids: list[int] = []  # in completion order (tools and tests read it)
@@ -172,6 +171,11 @@ class Trainer:
         await self.node.start()
         await self.injection_watch.start()
         await self.admission.admitted()
+        try:
+            await self.rotation.start()  # the operator's assignment and the other trainers' claims
+        except (DhtError, RpcError) as exc:  # retried every progress interval; no shard opens until read
+            log.warning("shard_rotation_failed", error=str(exc))
+            await self.rotation.start_background()
         await self.refresh()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -191,6 +195,9 @@ class Trainer:
     async def close(self) -> None:
         await self.injection_watch.stop()
         self.cursor.save()
+        await self.rotation.stop(
+            publish=self.admission.valid
+        )  # a claim is a member's: none without a credential
         if self._loss_log is not None:
             self._loss_log.close()
         for task in self._tasks:
@@ -261,11 +268,12 @@ class Trainer:
         self.cursor.save()
         return self.counters
 
-    def _next_sample(self) -> Sample | None:
+    def _limit_reached(self) -> bool:
         limit = self.settings.max_samples
-        if self._stopping or (
-            limit is not None and self.counters.completed + self.counters.in_flight >= limit
-        ):
+        return limit is not None and self.counters.completed + self.counters.in_flight >= limit
+
+    def _next_sample(self) -> Sample | None:
+        if self._stopping or self._limit_reached():
             return None
         sample = self.cursor.take()
         if sample is None:
@@ -277,7 +285,15 @@ class Trainer:
         return sample
 
     async def _lane(self, state: LaneState) -> None:
-        while (sample := self._next_sample()) is not None:
+        while True:
+            sample = self._next_sample()
+            if sample is None:
+                if self._stopping or self._limit_reached() or self.cursor.finished:
+                    return
+                # Nothing to take now: samples in flight on other lanes may come back, or a
+                # shard is on its way (handed over, or the claims of a new epoch not read yet).
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
             self.counters.in_flight += 1
             try:
                 loss = await self.router.run(sample.tokens, state)
@@ -293,7 +309,7 @@ class Trainer:
         # Saved with every completion: a trainer that crashes (an injected exit, a kill) and
         # restarts on its state file repeats none of its completed samples (every 64th, it
         # repeated up to 63). One small atomic file write per sample (a few tens of us).
-        self.cursor.complete(sample.id, save_every=1)
+        self.cursor.complete(sample.id)
         self.completed_ids.append(sample.id)
         self.counters.completed += 1
         tokens = len(sample.tokens) - 1

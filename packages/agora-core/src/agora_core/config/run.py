@@ -95,7 +95,7 @@ class DataConfig:
     #   a path to a Hugging Face ``tokenizer.json`` (relative to the working directory).
     tokenizer: str = "bytes"
     vocab_size: int | None = None  # "bpe" only: the trained tokenizer's ids, separator included
-    shuffle_seed: int = 0  # not implemented yet: samples come in shard order (config/unimplemented.py)
+    shuffle_seed: int = 0  # the order of shards in each epoch and of samples in each shard
 
     def __post_init__(self) -> None:
         require(

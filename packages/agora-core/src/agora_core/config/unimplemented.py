@@ -17,12 +17,7 @@ from agora_core.config.loader import coerce, field_types
 from agora_core.errors import ConfigError
 
 # dotted key -> what is missing and what brings it
-NOT_IMPLEMENTED: dict[str, str] = {
-    "data.shuffle_seed": (
-        "trainers take samples in shard order; shard rotation (tools/, a later milestone) brings it, "
-        "until then tools/make_shards.py --seed shuffles the files the shards are made from"
-    ),
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 def field_at(root: type, key: str) -> tuple[type, dataclasses.Field]:

@@ -20,7 +20,7 @@ the reader); its subkey is owned by that key, so no one else can write, replace 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agora_core.admission.credential import CredentialError
 from agora_core.config.operator import OperatorConfig
@@ -44,10 +44,16 @@ class OperatorKeys:
     def check(self, subkey: str, found: DhtValue, injection: Injection) -> None:
         """InjectionRejected (``unsigned``, ``malformed``, ``not_operator``) unless an operator
         wrote this record under its own subkey for the record's id."""
+        self.check_record(subkey, found, injection.id, injection.credential)
+
+    def check_record(self, subkey: str, found: DhtValue, record_id: str, credential: Any) -> None:
+        """The same for any operator record (injections, shard assignments): ``found`` signed by
+        an operator, under the writer's own subkey for ``record_id``; ``credential`` the one
+        the record carries (an authorized run's operator credential, or None)."""
         writer = found.writer
         if writer is None:
             raise InjectionRejected("unsigned", "an unsigned record orders nothing")
-        if found.owner != writer or subkey != record_subkey(writer, injection.id):
+        if found.owner != writer or subkey != record_subkey(writer, record_id):
             raise InjectionRejected("malformed", "a record lives under its writer's subkey for its id")
         if writer in self._keys:
             return
@@ -56,12 +62,12 @@ class OperatorKeys:
             raise InjectionRejected("not_operator", "the writer is not listed in [operator] public_keys")
         if writer == verifier.authorizer_key:
             return
-        if injection.credential is None:
+        if credential is None:
             raise InjectionRejected(
                 "not_operator", "the writer is not an operator: no credential in the record"
             )
         try:
-            identity = verifier.identify(writer, injection.credential)
+            identity = verifier.identify(writer, credential)
         except CredentialError as exc:
             raise InjectionRejected("not_operator", f"the writer's credential: {exc}") from None
         if identity.role != OPERATOR_ROLE:

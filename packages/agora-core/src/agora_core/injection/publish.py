@@ -59,7 +59,7 @@ def new_injection(
     )
 
 
-async def _retrying(write: Callable[[], Awaitable[int]], timeout_s: float) -> int:
+async def retrying(write: Callable[[], Awaitable[int]], timeout_s: float) -> int:
     """``write()`` until no replica refuses it. In an authorized run a replica takes records
     only from members it knows, and a tool that just joined is known to every replica a
     gossip period or two later; until then a write is refused (RecordRejected, a DhtError)."""
@@ -77,7 +77,7 @@ async def publish(
     dht: DhtNode, key: NodeKey, run_name: str, injection: Injection, *, timeout_s: float = RETRY_S
 ) -> int:
     """Store ``injection`` under ``key``'s own subkey for it; returns the replicas that took it."""
-    return await _retrying(
+    return await retrying(
         lambda: dht.store(
             injections_key(run_name),
             record_subkey(key.public_key, injection.id),
@@ -119,7 +119,7 @@ async def clear(dht: DhtNode, key: NodeKey, run_name: str, record_ids: list[str]
     for item in mine:
         record_id = item.subkey.rsplit("/", 1)[-1]
         if record_ids is None or record_id in record_ids:
-            await _retrying(
+            await retrying(
                 lambda subkey=item.subkey: dht.delete(injections_key(run_name), subkey, signer=key), RETRY_S
             )
             deleted.append(record_id)

@@ -1,0 +1,45 @@
+"""What a trainer is told on its command line (and tests in code): lanes, limits, intervals, shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agora_core.config import require
+from agora_trainer.rotation_record import parse_ranges
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainerSettings:
+    lanes: int = 8  # samples in flight at once (each lane is one of the paper's trainers)
+    max_samples: int | None = None  # stop after completing this many (None: run the shards out)
+    refresh_interval_s: float = 5.0  # how often worker lists are re-read from the DHT
+    ban_s: float = 10.0  # a worker whose call failed is skipped this long
+    # How often progress is published to the DHT; at most dht.record_ttl_s / 3 (its lifetime).
+    progress_interval_s: float = 2.0
+    max_attempts: int = 5  # per stage call, across the stage's workers
+    wait_for_worker_s: float = 120.0  # how long a stage may have no usable worker, at start and per call
+    max_requeues: int = 3  # a sample that keeps failing is abandoned (loudly) after this
+    state_file: str | None = None  # where the shard position is kept (default: in --shards)
+    shard_ranges: str | None = (
+        None  # the shard ids this trainer reads ("0-3,8"; None: all), until an operator assigns others
+    )
+    epochs: int = 1  # passes over its shards (each in a new shuffled order)
+    shard_adopt_after_s: float = 30.0  # a shard whose holder published nothing this long is adopted
+    loss_log: str | None = None  # JSON lines file: one {"id", "loss", "t"} per completed sample
+    backward_routing: str = "pinned"  # "random": backward to any replica (ablation only)
+
+    def __post_init__(self) -> None:
+        require(self.lanes >= 1, "lanes", "must be >= 1")
+        require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
+        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s"):
+            require(getattr(self, name) > 0, name, "must be positive")
+        require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
+        require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
+        require(self.epochs >= 1, "epochs", "must be >= 1")
+        require(self.shard_adopt_after_s > 0, "shard_adopt_after_s", "must be positive")
+        self.assigned_shards()  # RotationError (a DataError) names a bad range
+
+    def assigned_shards(self) -> frozenset[int] | None:
+        """The shard ids of ``shard_ranges`` (None: every shard)."""
+        return None if self.shard_ranges is None else parse_ranges(self.shard_ranges)

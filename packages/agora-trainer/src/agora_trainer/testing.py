@@ -1,0 +1,65 @@
+"""Stand-ins for a two-stage swarm, for tests of the trainer on real sockets and a real DHT.
+
+Each stage is a plain RPC server on 127.0.0.1 that answers like a head or a tail (shapes
+right, values constant) and refuses a non-finite gradient as a worker's input check does, so
+a test of routing, injection or shard rotation imports no torch and spends no compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agora_core.contract import Method, Phase
+from agora_core.dht import DhtNode
+from agora_core.dht.owned import OwnedEntry
+from agora_core.errors import BadRequest
+from agora_core.identity import NodeKey
+from agora_core.rpc import Payload, RpcServer
+from agora_core.schema import WorkerAnnouncement, stage_workers_key
+
+
+class StandInStage:
+    """A head (stage 0) or a tail (stage 1) of boundary width ``k``; records the gradients it got."""
+
+    def __init__(self, stage: int, k: int):
+        self.stage, self.k, self.grads = stage, k, []
+        self.server = RpcServer(listen="127.0.0.1:0")
+        if stage == 0:
+            self.server.register(Method.FORWARD, self.forward)
+            self.server.register(Method.BACKWARD, self.backward)
+        else:
+            self.server.register(Method.FORWARD_BACKWARD, self.forward_backward)
+
+    def forward(self, request) -> Payload:
+        tokens = request.tensors["tokens"]
+        return Payload(tensors={"boundary": np.zeros((*tokens.shape, self.k), np.float32)})
+
+    def backward(self, request) -> Payload:
+        grad = request.tensors["grad"]
+        self.grads.append(grad)
+        if not np.isfinite(grad).all():  # a worker's input check (agora_worker.tensors)
+            raise BadRequest("'grad' holds NaN or infinite values")
+        return Payload()
+
+    def forward_backward(self, request) -> Payload:
+        tokens = request.tensors["tokens"]
+        return Payload(
+            tensors={"loss": np.ones(1, np.float32), "grad": np.ones((*tokens.shape, self.k), np.float32)}
+        )
+
+    async def announce(self, dht: DhtNode, run_name: str, key: NodeKey | None = None) -> None:
+        """Announce this stage as a serving worker of ``run_name`` (for a minute)."""
+        key = key or NodeKey.generate()
+        announcement = WorkerAnnouncement(
+            node_id=key.node_id,
+            address=self.server.address,
+            stage=self.stage,
+            phase=Phase.SERVING,
+            throughput=100.0,
+            load=0,
+            max_batch=8,
+            version="test",
+        )
+        await OwnedEntry(dht, key, stage_workers_key(run_name, self.stage)).publish(
+            announcement.to_value(), 60
+        )

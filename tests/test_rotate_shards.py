@@ -1,0 +1,110 @@
+"""tools/rotate_shards.py against a live trainer: set, show and clear through the run's DHT.
+
+A seed DHT node, two stand-in stages and a trainer run in this process on 127.0.0.1; the tool
+runs as its own process, as an operator would run it, knowing only a bootstrap address, the
+run config and its key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from agora_core.config import load_run_config
+from agora_core.dht import DhtNode
+from agora_core.identity import NodeKey
+from agora_core.testing import wait_until_async
+from agora_trainer.sharding import make_shards
+from agora_trainer.testing import StandInStage
+from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.trainer import Trainer, TrainerSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "rotate_shards.py"
+
+CONFIG = """
+name = "rotate-tool"
+[model]
+kind = "surrogate"
+d_model = 32
+n_heads = 2
+subspace_rank = 4
+vocab_size = 256
+seq_len = 8
+stage_layers = [1, 1]
+[dht]
+gossip_period_s = 0.2
+probe_timeout_s = 0.1
+suspicion_timeout_s = 2.0
+op_timeout_s = 2.0
+[operator]
+public_keys = ["{operator}"]
+"""
+
+
+async def tool(*args: str, seed: str, config: Path, key: Path, code: int = 0) -> str:
+    """Run the tool (off the event loop, which serves the seed it talks to); its stdout, or
+    its stderr where it is expected to fail with ``code``."""
+    command = [
+        sys.executable,
+        str(TOOL),
+        "--bootstrap",
+        seed,
+        "--config",
+        str(config),
+        "--key",
+        str(key),
+        *args,
+    ]
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    return done.stdout if code == 0 else done.stderr
+
+
+async def test_the_operator_moves_a_live_trainers_shards_shows_them_and_clears_the_order(tmp_path):
+    operator_key = tmp_path / "operator.key"
+    operator = NodeKey.load_or_create(operator_key)
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.format(operator=operator.public_key.hex()))
+    run = load_run_config(config)
+    make_shards(tmp_path / "shards", shards=4, tokenizer=ByteTokenizer(), sources=[Path(__file__)])
+    seed = DhtNode(key=NodeKey.generate(), config=run.dht)
+    await seed.start()
+    stages = [StandInStage(0, 4), StandInStage(1, 4)]
+    trainer = Trainer(
+        run=run,
+        shards_dir=tmp_path / "shards",
+        key=NodeKey.generate(),
+        bootstrap=[seed.address],
+        settings=TrainerSettings(
+            lanes=1, shard_ranges="0-1", progress_interval_s=0.2, refresh_interval_s=0.5
+        ),
+    )
+    given = dict(seed=seed.address, config=config, key=operator_key)
+    try:
+        for stage in stages:
+            await stage.server.start()
+            await stage.announce(seed, run.name)
+        await trainer.start()
+        assert trainer.cursor.assigned == {0, 1}
+        out = await tool(
+            "set", "--trainer", f"{trainer.key.node_id[:12]}=2-3", "--others", "0", "--handover", "0", **given
+        )
+        assert out.startswith("id shards-") and f"{trainer.key.node_id[:12]}=2-3 others=0" in out
+        await wait_until_async(lambda: trainer.cursor.assigned == {2, 3}, what="the trainer obeys the tool")
+        shown = await tool("show", **given)
+        record_id = out.split()[1]
+        assert f"{record_id}  " in shown and "(in force)" in shown
+        assert f"epoch 0  trainer {trainer.key.node_id[:12]}" in shown  # its claim, read back
+        cleared = await tool("clear", **given)
+        assert "every trainer back to its own --shard-ranges" in cleared and record_id in cleared
+        await wait_until_async(lambda: trainer.cursor.assigned == {0, 1}, what="back to its own ranges")
+        refused = await tool("set", "--trainer", "nothex=0", code=2, **given)
+        assert "8 or more hex digits" in refused
+    finally:
+        await trainer.close()
+        for stage in stages:
+            await stage.server.stop()
+        await seed.stop()

@@ -52,6 +52,11 @@ suspicion_timeout_s = 2.0
 op_timeout_s = 2.0
 [transport]
 request_timeout_s = 10.0
+[sync]
+# A worker added mid-test serves at once: these tests are about routing, not joining (a
+# newcomer more than 20 steps behind would download and spend 400 steps invisible, which
+# on a loaded machine outlasts a test's samples: agora-worker's tests cover joining).
+stale_after_steps = 100000
 """
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 FAST = dict(refresh_interval_s=0.3, progress_interval_s=0.5, ban_s=30.0)

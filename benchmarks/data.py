@@ -55,7 +55,7 @@ def read_cost_us(folder: Path) -> float:
     started = time.process_time()
     for _ in range(count):
         sample = cursor.take()
-        cursor.complete(sample.id)  # writes the state file every 64, as in the trainer
+        cursor.complete(sample.id)  # writes the state file, as the trainer does after every sample
     return (time.process_time() - started) / count * 1e6
 
 

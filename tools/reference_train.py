@@ -105,12 +105,14 @@ def train(
             # never cross a step boundary inside a microbatch: the step comes exactly every
             # target_batch_size samples, as in the swarm
             size = min(microbatch, samples - len(losses), target - len(losses) % target)
-            batch = np.stack([cursor.take().tokens for _ in range(size)])
+            taken = [cursor.take() for _ in range(size)]
             first = len(losses)
-            for i, loss in enumerate(model.train_batch(batch)):
+            for sample, loss in zip(
+                taken, model.train_batch(np.stack([s.tokens for s in taken])), strict=True
+            ):
                 losses.append(float(loss))
-                if out is not None:
-                    out.write(json.dumps({"id": first + i, "loss": float(loss)}) + "\n")
+                if out is not None:  # the sample's id, as a trainer's loss log has it
+                    out.write(json.dumps({"id": sample.id, "loss": float(loss)}) + "\n")
             if len(losses) % target == 0:
                 model.step()
             if every and (len(losses) // every) != (first // every):

@@ -211,7 +211,8 @@ async def test_trainers_swap_shards_mid_run_and_no_sample_is_read_twice_or_skipp
     assert a.metrics.sample_value("agora_trainer_shards_assigned") == 2
 
 
-async def test_a_silent_trainers_half_read_shard_is_adopted_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("leaving", ["released", "silent"])
+async def test_a_gone_trainers_half_read_shard_is_adopted_where_it_stopped(tmp_path, leaving):
     shards = shard_set(tmp_path, shards=3)
     async with Swarm() as swarm:
         first = swarm.trainer(shards, tmp_path, "first")
@@ -221,10 +222,14 @@ async def test_a_silent_trainers_half_read_shard_is_adopted_where_it_stopped(tmp
         first.request_stop()
         await training
         (held,) = first.cursor.holding()
-        await first.close()  # its last claim: shard `held`, half read; then silence
+        await first.rotation.publish()  # its last claim is exact: shard `held`, half read
+        await first.close(release=leaving == "released")  # then it leaves: cleanly, or as a crash would
         swarm.trainers.remove(first)
-        second = swarm.trainer(shards, tmp_path, "second", shard_adopt_after_s=1.0)
+        second = swarm.trainer(shards, tmp_path, "second", shard_adopt_after_s=2.0)
         await second.start()
+        assert second.rotation.others.state(0, held.shard_id)[0] == (
+            "stale" if leaving == "released" else "held"
+        )
         await second.train()
     total = second.cursor.total
     assert not set(first.completed_ids) & set(second.completed_ids)  # it went on where the first stopped

@@ -106,10 +106,10 @@ class Swarm:
         """The samples ``member`` has computed so far, by op (forward, backward, ...)."""
         return collections.Counter((await self.info(member))["processed_by_op"])
 
-    def trainer(self, **settings) -> Trainer:
+    def trainer(self, shards: Path | None = None, **settings) -> Trainer:
         return Trainer(
             run=load_run_config(self.config_path),
-            shards_dir=self.shards,
+            shards_dir=shards or self.shards,
             key=NodeKey.generate(),
             bootstrap=[self.seed.address],
             settings=TrainerSettings(**{**FAST, **settings}),
@@ -256,11 +256,14 @@ async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(tmp_path
 
 
 async def test_a_restarted_trainer_resumes_without_repeating_or_skipping(swarm, tmp_path):
+    # Shards of its own: the module's other trainers leave claims on theirs (shard rotation)
+    mine = tmp_path / "shards"
+    make_shards(mine, shards=2, tokenizer=ByteTokenizer(), max_bytes=100_000)
     state = str(tmp_path / "resume.json")
-    first = swarm.trainer(lanes=4, max_samples=40, state_file=state)
+    first = swarm.trainer(lanes=4, max_samples=40, state_file=state, shards=mine)
     await train_to_the_end(first, timeout_s=60)
-    second = swarm.trainer(lanes=4, max_samples=40, state_file=state)
+    second = swarm.trainer(lanes=4, max_samples=40, state_file=state, shards=mine)
     await train_to_the_end(second, timeout_s=60)
     both = first.completed_ids + second.completed_ids
     assert len(both) == len(set(both)) == 80  # nothing twice
-    assert sorted(both) == sorted(reading_order(open_shards(swarm.shards), 16, 0, 80))  # nothing skipped
+    assert sorted(both) == sorted(reading_order(open_shards(mine), 16, 0, 80))  # nothing skipped

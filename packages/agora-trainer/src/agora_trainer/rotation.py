@@ -6,8 +6,12 @@ of its epoch, then publishes its own claim: the shards it holds open, with their
 and those it finished this epoch. Its cursor (``cursor.SampleCursor``) opens no shard another
 trainer holds or finished this epoch; a shard whose holder has published nothing for
 ``adopt_after_s`` is adopted from the progress it last published (that holder's samples
-completed since its last claim, at most one interval's, run again). A trainer that finds
+completed since its last claim, at most one interval's, run again), and so at once is one
+its holder released by stopping cleanly (its last claim is exact). A trainer that finds
 another holding a shard it also holds, claimed later, yields it: the later reader keeps it.
+
+A claim names the shard set (a digest of its shards' digests): trainers of one run on
+another set (remade shards) never read each other's claims as their own.
 
 Claims live under ``<run>/data/shards/epoch-<n>``, one signed entry per trainer, refreshed
 every round and living as long as the DHT allows (56 minutes by default) after the last, so
@@ -44,8 +48,10 @@ def shard_claims_key(run_name: str, epoch: int) -> str:
 class OtherTrainers:
     """The other trainers' claims of one epoch, as last read (``cursor.Others``)."""
 
-    def __init__(self, me: str, adopt_after_s: float, clock=time.time):
+    def __init__(self, me: str, shard_set: str, adopt_after_s: float, clock=time.time):
+        """``shard_set``: the shard set's identity; claims on another set are not this one's."""
         self._me = me
+        self._set = shard_set
         self.adopt_after_s = adopt_after_s
         self._clock = clock
         self.epoch: int | None = None  # the epoch read; other epochs are "unknown"
@@ -57,6 +63,8 @@ class OtherTrainers:
             claim = value.value
             if not isinstance(claim, dict) or value.writer is None or claim.get("epoch") != epoch:
                 continue
+            if claim.get("set") != self._set:
+                continue
             node_id = claim.get("node_id")
             if node_id == self._me or not isinstance(node_id, str):
                 continue
@@ -66,7 +74,9 @@ class OtherTrainers:
         self.epoch, self.claims = epoch, claims
 
     def _fresh(self, claim: dict[str, Any]) -> bool:
-        return self._clock() - float(claim.get("t", 0.0)) <= self.adopt_after_s
+        """Its trainer still reads what it holds: it did not release it (stopping cleanly) and
+        published within ``adopt_after_s``."""
+        return not claim.get("released") and self._clock() - float(claim.get("t", 0.0)) <= self.adopt_after_s
 
     def state(self, epoch: int, shard_id: int) -> tuple[str, Any]:
         if epoch != self.epoch:
@@ -104,6 +114,7 @@ class ShardRotation:
         dht: DhtNode,
         key: NodeKey,
         run_name: str,
+        shard_set: str,
         cursor: SampleCursor,
         operators: OperatorKeys,
         interval_s: float,
@@ -116,7 +127,8 @@ class ShardRotation:
         self._own = cursor.assigned  # this trainer's --shard-ranges (or all): where no record says otherwise
         self._operators = operators
         self.interval_s = interval_s
-        self.others = OtherTrainers(key.node_id, adopt_after_s)
+        self._set = shard_set
+        self.others = OtherTrainers(key.node_id, shard_set, adopt_after_s)
         cursor.others = self.others
         self.claim_ttl_s = claim_ttl_s
         self.record: ShardAssignment | None = None  # the one obeyed now
@@ -146,7 +158,9 @@ class ShardRotation:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="trainer-rotation")
 
     async def stop(self, *, publish: bool = True) -> None:
-        """No more rounds; with ``publish``, a last claim (what this trainer leaves, and where)."""
+        """No more rounds; with ``publish``, a last claim that releases what this trainer holds
+        (another trainer may go on from where it stopped at once; restarted, it goes on itself
+        unless one did)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -154,7 +168,7 @@ class ShardRotation:
         if not publish:
             return
         try:
-            await self.publish()
+            await self.publish(released=True)
         except (DhtError, RpcError) as exc:
             log.warning("shard_claim_failed", error=str(exc))
 
@@ -216,7 +230,7 @@ class ShardRotation:
                 self._m_yielded.inc()
                 log.warning("shard_yielded", shard=progress.shard_id, epoch=progress.epoch, to=holder[:12])
 
-    async def publish(self) -> None:
+    async def publish(self, *, released: bool = False) -> None:
         """This trainer's claim in every epoch it holds shards of (and once more in an epoch it
         has just left, so its claim there ends with every shard it finished)."""
         holding = self.cursor.holding()
@@ -225,7 +239,9 @@ class ShardRotation:
         for epoch in sorted(epochs | self._published):
             claim = {
                 "node_id": self._key.node_id,
+                "set": self._set,
                 "epoch": epoch,
+                "released": released,
                 "t": now,
                 "open": [p.to_value() for p in holding if p.epoch == epoch],
                 "finished": self.cursor.finished_in(epoch),

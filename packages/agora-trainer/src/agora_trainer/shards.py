@@ -78,6 +78,12 @@ class ShardSet:
     def tokenizer(self) -> TokenizerEntry:
         return self.manifest.tokenizer
 
+    @property
+    def identity(self) -> str:
+        """A short digest of its shards' ids and digests: the same set, wherever it lies."""
+        text = ",".join(f"{s.entry.id}:{s.entry.blake2b}" for s in self.shards)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
 
 def file_digest(path: Path) -> str:
     with open(path, "rb") as f:

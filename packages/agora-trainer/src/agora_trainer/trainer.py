@@ -131,6 +131,7 @@ class Trainer:
             dht=self.dht,
             key=key,
             run_name=run.name,
+            shard_set=shard_set.identity,
             cursor=self.cursor,
             operators=OperatorKeys(
                 run.operator, None if self.node.security is None else self.node.security.verifier
@@ -192,12 +193,14 @@ class Trainer:
             await asyncio.sleep(min(1.0, self.settings.refresh_interval_s))
             await self.refresh()
 
-    async def close(self) -> None:
+    async def close(self, *, release: bool = True) -> None:
+        """Leave the run. ``release``: hand the shards it holds to the other trainers at once
+        (its last claim says where it stopped); without, they wait for this trainer until its
+        claim is ``shard_adopt_after_s`` old, as after a crash."""
         await self.injection_watch.stop()
         self.cursor.save()
-        await self.rotation.stop(
-            publish=self.admission.valid
-        )  # a claim is a member's: none without a credential
+        # a claim is a member's: none without a credential
+        await self.rotation.stop(publish=release and self.admission.valid)
         if self._loss_log is not None:
             self._loss_log.close()
         for task in self._tasks:

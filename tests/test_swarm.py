@@ -399,7 +399,7 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.timeout(RUN_S + 2 * KILL_S + ADD_S + MARGIN_S, func_only=True)
 def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shards, swarm_factory):
-    samples = SAMPLES * 3 // 4  # the outage comes at a third of them; the rest is for the comeback
+    samples = SAMPLES // 2  # the outage comes at about a third of them; the rest is for the comeback
     swarm = swarm_factory(config, shards, samples)
     first, last = swarm.placed()[1]  # kill-worker takes the last started first
     directory = swarm.run_dir / "checkpoints" / last
@@ -407,11 +407,11 @@ def test_a_stage_whose_every_replica_died_resumes_from_a_checkpoint(config, shar
     def checkpointed() -> int:
         return max((m.step for m in find_manifests(directory)), default=0) if directory.exists() else 0
 
-    swarm.while_running(lambda: checkpointed() >= 20, what="a checkpoint of stage 1 at step 20 or later")
+    swarm.while_running(lambda: checkpointed() >= 10, what="a checkpoint of stage 1 at step 10 or later")
     for victim in (last, first):  # every replica of stage 1
         assert f"killed {victim}" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
     saved = CheckpointStore(directory, run=swarm.run, stage=1, keep=swarm.run.checkpoint.keep).newest_valid()
-    assert saved is not None and saved.step >= 20
+    assert saved is not None and saved.step >= 10
 
     # The dead replicas' progress reports, ahead of the checkpoint, outlive them in the DHT for
     # their TTL; the restarted worker counts only live members' reports, so it does not step

@@ -14,7 +14,7 @@ A claim names the shard set (a digest of its shards' digests): trainers of one r
 another set (remade shards) never read each other's claims as their own.
 
 Claims live under ``<run>/data/shards/epoch-<n>``, one signed entry per trainer, refreshed
-every round and living as long as the DHT allows (56 minutes by default) after the last, so
+every round and living as long as the DHT allows (about 58 minutes by default) after the last, so
 the shards finished in an epoch stay known to the other trainers.
 
 The assignment obeyed is kept in the cursor's state file: a record expires from the DHT, the

@@ -11,7 +11,7 @@ than ``handover_s`` after the record was issued, so the trainer they come from h
 and published what it holds by then.
 
 A record lives at most what the DHT's replicas accept (``dht.max_expiration_ahead_s`` less
-``dht.max_clock_skew_s``: 56 minutes by default), but an assignment is a standing order: a
+``dht.max_clock_skew_s``: about 58 minutes by default), but an assignment is a standing order: a
 trainer keeps the last one it obeyed (in its state file, across restarts) until a newer one
 says otherwise. ``clear`` is such a newer record, naming no trainer: back to --shard-ranges.
 """

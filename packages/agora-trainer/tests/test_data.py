@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -203,6 +204,28 @@ def test_cursor_resume_neither_repeats_nor_skips(tmp_path):
     assert sorted(done_before | set(again)) == list(range(restarted.total))  # nothing skipped
     assert not done_before & set(again)  # nothing done twice
     assert restarted.finished and restarted.done == restarted.total
+
+
+def test_a_crash_between_state_writes_loses_no_completion_the_journal_holds(tmp_path):
+    byte_shards(tmp_path, "out", 2)
+    shards = open_shards(tmp_path / "out")
+    state = tmp_path / "state.json"
+    cursor = SampleCursor(shards, 64, state)
+    taken = [cursor.take() for _ in range(8)]
+    for sample in taken[:6]:
+        cursor.complete(sample.id)  # journaled: the state file was last written when the shard opened
+    assert json.loads(state.read_text())["completed"] == 0
+    with open(state.with_name("state.json.journal"), "a") as journal:
+        journal.write("12")  # a line the crash cut short: that sample runs again
+    restarted = SampleCursor(shards, 64, state)  # no save, no close: as after a kill
+    assert restarted.done == 6
+    again = [restarted.take().id for _ in range(2)]
+    assert again == [s.id for s in taken[6:]]  # the two in flight at the crash, then new ones
+    restarted.close()
+    assert (
+        json.loads(state.read_text())["completed"] == 6
+        and state.with_name("state.json.journal").read_text() == ""
+    )
 
 
 def test_a_sample_given_back_comes_first_and_state_from_other_shards_is_refused(tmp_path):

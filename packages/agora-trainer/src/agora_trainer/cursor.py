@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agora_trainer.cursor_journal import COMPACT_EVERY, CompletionJournal
 from agora_trainer.errors import ShardError
 from agora_trainer.shard_progress import ShardProgress
 from agora_trainer.shards import Shard
@@ -85,6 +86,11 @@ class SampleCursor:
         self._starts = [int(n) for n in np.cumsum([0, *self._counts])]
         self.total = self._starts[-1]  # samples per epoch, over the whole set
         self._state_path = state_path
+        self._journal = (
+            None
+            if state_path is None
+            else CompletionJournal(state_path.with_name(f"{state_path.name}.journal"))
+        )
         self.epoch = 0
         self.completed = 0  # samples completed here, over every run on this state file
         self._finished: dict[int, set[int]] = {
@@ -101,6 +107,8 @@ class SampleCursor:
         self.assign(self._index if assigned is None else assigned)
         if state_path is not None and state_path.exists():
             self._load(state_path)
+            for sample_id in self._journal.read():  # completions since the state was written
+                self.complete(sample_id, save=False)
 
     # --- assignment ------------------------------------------------------------------------------
 
@@ -168,6 +176,13 @@ class SampleCursor:
         tmp = self._state_path.with_name(f".{self._state_path.name}.partial")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self._state_path)
+        self._journal.clear()
+
+    def close(self) -> None:
+        """Write the state (and empty the journal); the cursor can go on after."""
+        self.save()
+        if self._journal is not None:
+            self._journal.close()
 
     # --- what is published to the other trainers -------------------------------------------------
 
@@ -191,6 +206,7 @@ class SampleCursor:
         if self._active is progress:
             self._active = None
         self._retry = collections.deque(s for s in self._retry if self.locate(s.id)[:2] != (epoch, shard_id))
+        self.save()
         return True
 
     # --- samples ---------------------------------------------------------------------------------
@@ -247,6 +263,7 @@ class SampleCursor:
                 done.add(shard_id)
                 continue
             self._open[(self.epoch, shard_id)] = progress
+            self.save()  # the journal's completions in it need it in the state
             return progress, False
         return None, waiting
 
@@ -273,26 +290,34 @@ class SampleCursor:
                 return None
             self.epoch += 1
             self._finished = {self.epoch - 1: self._finished[self.epoch - 1], self.epoch: set()}
+            self.save()
 
     def give_back(self, sample: Sample) -> None:
         """A sample that could not be completed now: it is taken again before new ones."""
         self._retry.append(sample)
 
     def complete(self, sample_id: int, *, save: bool = True) -> None:
+        """Mark a sample done; ``save``: on disk before this returns (journaled, or the state
+        rewritten when a shard finishes or the journal is long)."""
         epoch, shard_id, index = self.locate(sample_id)
         progress = self._open.get((epoch, shard_id))
         if progress is None:
             return  # its shard was yielded to another trainer
         progress.complete(index)
         self.completed += 1
-        if progress.finished:
+        finished = progress.finished
+        if finished:
             del self._open[(epoch, shard_id)]
             if epoch in self._finished:
                 self._finished[epoch].add(shard_id)
             if self._active is progress:
                 self._active = None
-        if save:
+        if not save or self._journal is None:
+            return
+        if finished or self._journal.entries >= COMPACT_EVERY:
             self.save()
+        else:
+            self._journal.append(sample_id)
 
 
 def reading_order(

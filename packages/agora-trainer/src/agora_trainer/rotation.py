@@ -209,6 +209,7 @@ class ShardRotation:
         shards = self._own if shards is None else shards
         if newest is not None and (self.record is None or newest.id != self.record.id):
             log.info("shard_assignment_read", record=newest.id, assignment=newest.describe())
+            self.cursor.save()  # the order obeyed stands across a restart
         self.record = newest
         if shards != self.cursor.assigned:
             usable_from = 0.0 if newest is None else newest.issued + newest.handover_s

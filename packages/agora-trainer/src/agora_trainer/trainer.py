@@ -198,7 +198,7 @@ class Trainer:
         (its last claim says where it stopped); without, they wait for this trainer until its
         claim is ``shard_adopt_after_s`` old, as after a crash."""
         await self.injection_watch.stop()
-        self.cursor.save()
+        self.cursor.close()
         # a claim is a member's: none without a credential
         await self.rotation.stop(publish=release and self.admission.valid)
         if self._loss_log is not None:

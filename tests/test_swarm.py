@@ -338,10 +338,13 @@ def test_the_swarm_keeps_training_through_a_departure_and_an_arrival(config, sha
     status = swarm.command("status", timeout_s=KILL_S)
     assert "  authorizer tcp://127.0.0.1:" in status, status
     assert "(workers per stage 0: 2, 1: 2, 2: 2)" in status, status  # the authorizer's own count
-    swarm.while_running(lambda: len(swarm.losses()) >= 200, what="200 samples")
+    # Early departure and arrival: the newcomer's download, weight sync and optimizer sync must
+    # all fit in the run's samples however fast this machine runs them (a quiet one did 1024
+    # samples before a newcomer that arrived after 350 finished its sync).
+    swarm.while_running(lambda: len(swarm.losses()) >= 120, what="120 samples")
     assert f"killed {stage_1[-1]} (stage 1" in swarm.command("kill-worker", "1", timeout_s=KILL_S)
     at_kill = len(swarm.losses())
-    swarm.while_running(lambda: len(swarm.losses()) >= at_kill + 150, what="training on one stage-1 worker")
+    swarm.while_running(lambda: len(swarm.losses()) >= at_kill + 80, what="training on one stage-1 worker")
     added = swarm.command("add-worker", "1", timeout_s=ADD_S)  # pinned to stage 1 by the authorizer
     newcomer = f"worker-{2 * swarm.run.model.n_stages}"
     assert f"added {newcomer} on stage 1" in added, added

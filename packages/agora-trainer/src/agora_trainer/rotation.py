@@ -204,11 +204,11 @@ class ShardRotation:
                 continue
             if newest is None or record.issued > newest.issued:
                 newest = record
-                self.cursor.assignment = record.to_value()
         shards = self._own if newest is None else newest.for_trainer(self._key.node_id)
         shards = self._own if shards is None else shards
         if newest is not None and (self.record is None or newest.id != self.record.id):
             log.info("shard_assignment_read", record=newest.id, assignment=newest.describe())
+            self.cursor.assignment = newest.to_value()
             self.cursor.save()  # the order obeyed stands across a restart
         self.record = newest
         if shards != self.cursor.assigned:

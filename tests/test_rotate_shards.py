@@ -13,13 +13,11 @@ import sys
 from pathlib import Path
 
 from agora_core.config import load_run_config
-from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.testing import wait_until_async
 from agora_trainer.sharding import make_shards
-from agora_trainer.testing import StandInStage
+from agora_trainer.testing import StandInSwarm
 from agora_trainer.tokenizer import ByteTokenizer
-from agora_trainer.trainer import Trainer, TrainerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "rotate_shards.py"
@@ -70,23 +68,9 @@ async def test_the_operator_moves_a_live_trainers_shards_shows_them_and_clears_t
     config.write_text(CONFIG.format(operator=operator.public_key.hex()))
     run = load_run_config(config)
     make_shards(tmp_path / "shards", shards=4, tokenizer=ByteTokenizer(), sources=[Path(__file__)])
-    seed = DhtNode(key=NodeKey.generate(), config=run.dht)
-    await seed.start()
-    stages = [StandInStage(0, 4), StandInStage(1, 4)]
-    trainer = Trainer(
-        run=run,
-        shards_dir=tmp_path / "shards",
-        key=NodeKey.generate(),
-        bootstrap=[seed.address],
-        settings=TrainerSettings(
-            lanes=1, shard_ranges="0-1", progress_interval_s=0.2, refresh_interval_s=0.5
-        ),
-    )
-    given = dict(seed=seed.address, config=config, key=operator_key)
-    try:
-        for stage in stages:
-            await stage.server.start()
-            await stage.announce(seed, run.name)
+    async with StandInSwarm(run, 4) as swarm:
+        trainer = swarm.trainer(tmp_path / "shards", lanes=1, shard_ranges="0-1")
+        given = dict(seed=swarm.seed.address, config=config, key=operator_key)
         await trainer.start()
         assert trainer.cursor.assigned == {0, 1}
         out = await tool(
@@ -103,8 +87,3 @@ async def test_the_operator_moves_a_live_trainers_shards_shows_them_and_clears_t
         await wait_until_async(lambda: trainer.cursor.assigned == {0, 1}, what="back to its own ranges")
         refused = await tool("set", "--trainer", "nothex=0", code=2, **given)
         assert "8 or more hex digits" in refused
-    finally:
-        await trainer.close()
-        for stage in stages:
-            await stage.server.stop()
-        await seed.stop()

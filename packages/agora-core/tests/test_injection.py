@@ -258,13 +258,19 @@ async def test_a_dropped_link_answers_nothing_for_its_duration_then_recovers():
         await server.stop()
 
 
-async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when_it_returns():
-    config = DhtConfig(gossip_period_s=0.1, probe_timeout_s=0.05, suspicion_timeout_s=0.4, sync_periods=2)
+async def three_nodes(config: DhtConfig) -> list[DhtNode]:
+    """A seed and two members that joined through it, started (the caller stops them)."""
     nodes = [DhtNode(key=NodeKey.generate(), config=config)]
     await nodes[0].start()
     for _ in range(2):
         nodes.append(DhtNode(key=NodeKey.generate(), config=config, bootstrap=[nodes[0].address]))
         await nodes[-1].start()
+    return nodes
+
+
+async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when_it_returns():
+    config = DhtConfig(gossip_period_s=0.1, probe_timeout_s=0.05, suspicion_timeout_s=0.4, sync_periods=2)
+    nodes = await three_nodes(config)
     seed, _other, cut = nodes
     try:
         await wait_until_async(lambda: all(len(n.members()) == 3 for n in nodes), what="three members each")
@@ -281,6 +287,29 @@ async def test_a_node_whose_link_dropped_past_the_suspicion_timeout_rejoins_when
             timeout_s=15,
             what="the swarm whole again after the link came back",
         )
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def test_a_member_held_dead_by_one_node_alone_is_revisited_and_refutes_long_before_its_tombstone_expires():
+    # what a trainer whose link dropped for a few seconds is left with: some of the members it
+    # probed meanwhile are dead in its eyes, while they, and the rest, never heard of it
+    config = DhtConfig(
+        gossip_period_s=0.1, probe_timeout_s=0.05, suspicion_timeout_s=0.4, sync_periods=1000, tombstone_s=600
+    )
+    nodes = await three_nodes(config)
+    holder, wronged, _other = nodes
+    try:
+        await wait_until_async(lambda: all(len(n.members()) == 3 for n in nodes), what="three members each")
+        incarnation = wronged.table.me.incarnation
+        assert holder.table.drop(lambda m: m.node_id == wronged.node_id) == 1  # dead here, told nobody
+        assert holder.gone(wronged.node_id) and wronged.node_id not in holder.live_ids()
+        await wait_until_async(
+            lambda: wronged.node_id in holder.live_ids(), timeout_s=10, what="the wronged member alive again"
+        )
+        assert wronged.table.me.incarnation > incarnation  # it refuted: told it was dead, by a revisit
+        assert not holder.gone(wronged.node_id)
     finally:
         for node in nodes:
             await node.stop()

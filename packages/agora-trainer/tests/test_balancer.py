@@ -103,6 +103,25 @@ def test_failed_workers_are_banned_and_weight_sync_workers_invisible():
     assert balancer.choose() is None
 
 
+def test_with_every_worker_banned_the_one_failed_longest_ago_is_probed_and_success_lifts_its_ban():
+    dead: set[str] = set()
+    balancer = StageBalancer(1, ban_s=3600, probe_s=0.0, gone=dead.__contains__)
+    balancer.update([announce("a"), announce("b"), announce("c")])
+    dead.add("c")  # the DHT declared it dead: never chosen, not even as a probe
+    for node_id in ("a", "b"):  # the trainer's own link dropped: every call failed
+        balancer.fail(balancer.begin(next(w for w in balancer.workers if w.node_id == node_id)))
+    assert balancer.workers == []
+    probes = [balancer.choose().node_id for _ in range(4)]
+    assert probes == ["a", "b", "a", "b"]  # the oldest failure first; each probe counts as tried
+    balancer.complete(balancer.begin(balancer.choose()), 1, 0.1)  # "a" answers: its ban is lifted
+    assert [w.node_id for w in balancer.workers] == ["a"] and not balancer.banned("a")
+    assert balancer.banned("b")
+    patient = StageBalancer(1, ban_s=3600, probe_s=3600)
+    patient.update([announce("a")])
+    patient.fail(patient.begin(patient.workers[0]))
+    assert patient.choose() is None  # probed no sooner than probe_s after its failure
+
+
 def test_announcements_for_other_stages_are_ignored_and_moves_are_followed():
     balancer = StageBalancer(1)
     balancer.update([announce("a"), announce("x", stage=2)])

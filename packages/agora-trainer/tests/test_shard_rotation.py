@@ -17,7 +17,6 @@ import pytest
 
 from agora_core.config import OperatorConfig, RunConfig
 from agora_core.config.run import DhtConfig, ModelConfig
-from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.testing import wait_until_async
 from agora_trainer.cursor import SampleCursor
@@ -31,9 +30,9 @@ from agora_trainer.rotation_record import (
 )
 from agora_trainer.sharding import make_shards
 from agora_trainer.shards import open_shards
-from agora_trainer.testing import StandInStage
+from agora_trainer.testing import StandInSwarm
 from agora_trainer.tokenizer import ByteTokenizer
-from agora_trainer.trainer import Trainer, TrainerSettings
+from agora_trainer.trainer import Trainer
 
 SEQ = 8
 K = 4
@@ -141,48 +140,15 @@ def test_ranges_and_assignments_refuse_what_they_cannot_mean(tmp_path):
 # --- trainers on a real DHT ------------------------------------------------------------------------
 
 
-class Swarm:
-    """A seed DHT node and two stand-in stages announced in it."""
-
-    async def __aenter__(self):
-        self.seed = DhtNode(key=NodeKey.generate(), config=RUN.dht)
-        await self.seed.start()
-        self.stages = [StandInStage(0, K), StandInStage(1, K)]
-        for stage in self.stages:
-            await stage.server.start()
-            await stage.announce(self.seed, RUN.name)
-        self.trainers: list[Trainer] = []
-        return self
-
-    def trainer(self, shards, tmp_path, name: str, **settings) -> Trainer:
-        settings = {"lanes": 2, "refresh_interval_s": 0.5, "progress_interval_s": 0.2, **settings}
-        trainer = Trainer(
-            run=RUN,
-            shards_dir=shards,
-            key=NodeKey.generate(),
-            bootstrap=[self.seed.address],
-            settings=TrainerSettings(state_file=str(tmp_path / f"{name}.json"), **settings),
-        )
-        self.trainers.append(trainer)
-        return trainer
-
-    async def __aexit__(self, *exc):
-        for trainer in self.trainers:
-            await trainer.close()
-        for stage in self.stages:
-            await stage.server.stop()
-        await self.seed.stop()
-
-
 def shards_read(trainer: Trainer) -> set[int]:
     return {trainer.cursor.locate(i)[1] for i in trainer.completed_ids}
 
 
 async def test_trainers_swap_shards_mid_run_and_no_sample_is_read_twice_or_skipped(tmp_path):
     shards = shard_set(tmp_path)
-    async with Swarm() as swarm:
-        a = swarm.trainer(shards, tmp_path, "a", shard_ranges="0-1")
-        b = swarm.trainer(shards, tmp_path, "b", shard_ranges="2-3")
+    async with StandInSwarm(RUN, K) as swarm:
+        a = swarm.trainer(shards, state_file=str(tmp_path / "a.json"), shard_ranges="0-1")
+        b = swarm.trainer(shards, state_file=str(tmp_path / "b.json"), shard_ranges="2-3")
         await a.start()
         training_a = asyncio.ensure_future(a.train())
         await wait_until_async(lambda: a.counters.completed >= 5, what="trainer a under way")
@@ -214,8 +180,8 @@ async def test_trainers_swap_shards_mid_run_and_no_sample_is_read_twice_or_skipp
 @pytest.mark.parametrize("leaving", ["released", "silent"])
 async def test_a_gone_trainers_half_read_shard_is_adopted_where_it_stopped(tmp_path, leaving):
     shards = shard_set(tmp_path, shards=3)
-    async with Swarm() as swarm:
-        first = swarm.trainer(shards, tmp_path, "first")
+    async with StandInSwarm(RUN, K) as swarm:
+        first = swarm.trainer(shards, state_file=str(tmp_path / "first.json"))
         await first.start()
         training = asyncio.ensure_future(first.train())
         await wait_until_async(lambda: first.counters.completed >= 20, what="the first trainer under way")
@@ -225,7 +191,7 @@ async def test_a_gone_trainers_half_read_shard_is_adopted_where_it_stopped(tmp_p
         await first.rotation.publish()  # its last claim is exact: shard `held`, half read
         await first.close(release=leaving == "released")  # then it leaves: cleanly, or as a crash would
         swarm.trainers.remove(first)
-        second = swarm.trainer(shards, tmp_path, "second", shard_adopt_after_s=2.0)
+        second = swarm.trainer(shards, state_file=str(tmp_path / "second.json"), shard_adopt_after_s=2.0)
         await second.start()
         assert second.rotation.others.state(0, held.shard_id)[0] == (
             "stale" if leaving == "released" else "held"

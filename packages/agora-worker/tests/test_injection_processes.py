@@ -87,8 +87,11 @@ async def test_a_sender_told_to_exit_mid_averaging_send_dies_at_once_and_the_sur
                 lambda: victim.proc.poll() is not None, timeout_s=10, what="the victim's exit"
             )
             assert victim.proc.returncode == INJECTED_EXIT_CODE
-            # the survivor banned it and kept its own slice's average; the victim's slice is lost
-            assert report.group_size == 2 and report.averaging_success == pytest.approx(0.5, abs=0.01)
+            # the survivor banned it and kept its own slice's average; of the victim's slice only
+            # what it sent before it died came back: at most the chunk it sent (at_chunk=1)
+            sent_share = survivor.averager.chunk_values / survivor.averager.layout.length(report.segment)
+            assert report.group_size == 2
+            assert 0.5 - 0.01 <= report.averaging_success <= 0.5 + sent_share + 0.01
             assert report.seconds < 15
             # a crash says no goodbye: no LEFT reached the DHT
             assert victim_key.node_id not in survivor.dht.left_ids()

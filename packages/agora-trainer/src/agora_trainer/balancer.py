@@ -4,9 +4,15 @@ Choosing a worker charges it the task's estimated cost up front (task size / its
 throughput), so a slower worker is charged more per sample and receives proportionally fewer.
 Each completed call updates the worker's throughput estimate by Little's law: the calls this
 trainer had in flight at that worker, over the call's duration. A worker that merges four
-requests into one batch is credited with four samples per batch time, not one. A newly discovered worker enters
-level with the most-loaded one (not at zero, which would flood it); a worker that failed is
-banned for a while; workers in weight sync are invisible.
+requests into one batch is credited with four samples per batch time, not one. A newly
+discovered worker enters level with the most-loaded one (not at zero, which would flood it);
+workers in weight sync, and workers the DHT has declared dead, are invisible.
+
+A worker whose call failed is banned for a while. When every worker of the stage is banned,
+the one that failed longest ago is tried again once per ``probe_s`` (a probe) rather than left
+idle until its ban lapses: a failure that was the trainer's own (its link dropped, so every
+call failed) would otherwise stall the stage for the whole ban after the link returns. A
+call that succeeds lifts its worker's ban.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agora_core.contract import Phase
@@ -47,6 +54,7 @@ class _Entry:
     throughput: float  # samples per second, measured end to end
     phase: Phase = Phase.SERVING
     banned_until: float = 0.0
+    failed_at: float = 0.0  # the last failure, or the last probe of this banned worker
     seq: int = 0  # which heap entry is current (older ones are stale)
     dispatched: int = 0
     completed: int = 0
@@ -55,10 +63,16 @@ class _Entry:
     measured: bool = False
 
 
+def _never_gone(_node_id: str) -> bool:
+    return False
+
+
 @dataclass
 class StageBalancer:
     stage: int
     ban_s: float = 10.0
+    probe_s: float = 1.0  # with every worker banned: how often one of them is tried again
+    gone: Callable[[str], bool] = _never_gone  # the DHT declared this node id dead (or left)
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _heap: list[tuple[float, int, str]] = field(default_factory=list)
     _counter: itertools.count = field(default_factory=itertools.count)
@@ -95,10 +109,14 @@ class StageBalancer:
         entry.seq = next(self._counter)
         heapq.heappush(self._heap, (entry.vruntime, entry.seq, entry.ref.node_id))
 
-    def usable(self, node_id: str, now: float | None = None) -> bool:
+    def visible(self, node_id: str) -> bool:
+        """Known, visible to trainers in its phase, and not declared dead (banned or not)."""
         entry = self._entries.get(node_id)
+        return entry is not None and entry.phase.visible_to_trainers and not self.gone(node_id)
+
+    def usable(self, node_id: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return entry is not None and entry.phase.visible_to_trainers and entry.banned_until <= now
+        return self.visible(node_id) and self._entries[node_id].banned_until <= now
 
     def banned(self, node_id: str) -> bool:
         entry = self._entries.get(node_id)
@@ -129,11 +147,27 @@ class StageBalancer:
         for item in skipped:
             heapq.heappush(self._heap, item)
         if chosen is None:
+            chosen = self._probe(now, exclude)
+        if chosen is None:
             return None
         chosen.vruntime += samples / chosen.throughput
         chosen.dispatched += samples
         self._push(chosen)
         return chosen.ref
+
+    def _probe(self, now: float, exclude: frozenset[str]) -> _Entry | None:
+        """No worker is usable: the banned one that failed longest ago, if that was at least
+        ``probe_s`` ago (then it counts as probed now), else None."""
+        banned = [
+            e
+            for node_id, e in self._entries.items()
+            if node_id not in exclude and self.visible(node_id) and e.banned_until > now
+        ]
+        entry = min(banned, key=lambda e: e.failed_at, default=None)
+        if entry is None or now - entry.failed_at < self.probe_s:
+            return None
+        entry.failed_at = now
+        return entry
 
     def begin(self, ref: WorkerRef) -> CallToken:
         """A call to ``ref`` starts. The token remembers the most calls of ours it overlapped."""
@@ -152,6 +186,7 @@ class StageBalancer:
             return
         entry.active.discard(token)
         entry.completed += samples
+        entry.banned_until = 0.0  # it answered: whatever failed before has passed
         if seconds <= 0:
             return
         # Little's law: the calls it served alongside this one, over this one's time.
@@ -166,7 +201,8 @@ class StageBalancer:
         entry = self._entries.get(token.node_id)
         if entry is not None:
             entry.active.discard(token)
-            entry.banned_until = time.monotonic() + self.ban_s
+            entry.failed_at = time.monotonic()
+            entry.banned_until = entry.failed_at + self.ban_s
             entry.failures += 1
             self.bans += 1
 

@@ -105,7 +105,11 @@ class PipelineRouter:
         attempts = 0
         while attempts < self._config.max_attempts:
             worker = None
-            if pinned is not None and not balancer.banned(pinned.node_id):
+            if (
+                pinned is not None
+                and not balancer.banned(pinned.node_id)
+                and not balancer.gone(pinned.node_id)
+            ):
                 worker, pinned = pinned, None  # first choice for a backward; failover after
             else:
                 pinned = None

@@ -7,8 +7,11 @@ a test of routing, injection or shard rotation imports no torch and spends no co
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
@@ -16,6 +19,8 @@ from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
 from agora_core.rpc import Payload, RpcServer
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
+from agora_trainer.settings import TrainerSettings
+from agora_trainer.trainer import Trainer
 
 
 class StandInStage:
@@ -63,3 +68,45 @@ class StandInStage:
         await OwnedEntry(dht, key, stage_workers_key(run_name, self.stage)).publish(
             announcement.to_value(), 60
         )
+
+
+class StandInSwarm:
+    """A seed DHT node and a stand-in head and tail announced in it, for ``async with``; the
+    trainers made by :meth:`trainer` bootstrap from the seed and are closed with the swarm."""
+
+    def __init__(self, run: RunConfig, k: int):
+        self.run, self.k = run, k
+        self.seed = DhtNode(key=NodeKey.generate(), config=run.dht)
+        self.stages = [StandInStage(0, k), StandInStage(1, k)]
+        self.trainers: list[Trainer] = []
+
+    async def __aenter__(self) -> StandInSwarm:
+        await self.seed.start()
+        try:
+            for stage in self.stages:
+                await stage.server.start()
+                await stage.announce(self.seed, self.run.name)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    def trainer(self, shards_dir: Path, **settings) -> Trainer:
+        """A trainer of this swarm (not started); ``settings`` are TrainerSettings fields."""
+        settings = {"lanes": 2, "refresh_interval_s": 0.5, "progress_interval_s": 0.2, **settings}
+        trainer = Trainer(
+            run=self.run,
+            shards_dir=shards_dir,
+            key=NodeKey.generate(),
+            bootstrap=[self.seed.address],
+            settings=TrainerSettings(**settings),
+        )
+        self.trainers.append(trainer)
+        return trainer
+
+    async def __aexit__(self, *exc) -> None:
+        for trainer in self.trainers:
+            await trainer.close()
+        for stage in self.stages:
+            await stage.server.stop()
+        await self.seed.stop()

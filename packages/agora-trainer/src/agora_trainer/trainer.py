@@ -105,7 +105,8 @@ class Trainer:
         )
         self.client, self.dht = self.node.client, self.node.dht
         self.balancers = [
-            StageBalancer(stage, ban_s=self.settings.ban_s) for stage in range(run.model.n_stages)
+            StageBalancer(stage, ban_s=self.settings.ban_s, gone=self.dht.gone)
+            for stage in range(run.model.n_stages)
         ]
         self.counters = Counters()
         routing = RoutingConfig(

@@ -143,16 +143,31 @@ class Gossip:
         return False
 
     async def heal(self, bootstrap: Sequence[str]) -> None:
-        """Every period, rejoin if this node was cut off (:meth:`rejoin_if_cut_off`). On a task
-        of its own: the maintenance loop can sit out a 5 s call to a member whose link just
-        went (a sync), and a node back from a cut should not wait for it."""
+        """Every period, rejoin if this node was cut off (:meth:`rejoin_if_cut_off`), else
+        revisit a few of the members it holds dead (:meth:`revisit_dead`). On a task of its
+        own: the maintenance loop can sit out a 5 s call to a member whose link just went (a
+        sync), and a node back from a cut should not wait for it."""
         while True:
             await asyncio.sleep(self.config.gossip_period_s)
             try:
                 if await self.rejoin_if_cut_off(bootstrap):
                     log.info("dht_rejoined", node=self.table.me.node_id[:12], members=len(self.table.live()))
+                elif self.table.others():
+                    await self.revisit_dead()
             except Exception:  # healing must outlive any one bad attempt
                 log.exception("dht_rejoin_failed", node=self.table.me.node_id[:12])
+
+    async def revisit_dead(self) -> int:
+        """Ping up to ``gossip_fanout`` members held dead (not those that left), telling each
+        so; returns how many answered. A member wrongly declared dead (its link, or this
+        node's, dropped for a while) refutes in its reply and is alive here at once. Without
+        this, nobody probes the dead: a trainer whose own link dropped would hold its workers
+        dead until their tombstones expire (``tombstone_s``), though they never left."""
+        me = self.table.me
+        dead = [m for m in self.table.known() if m is not me and m.status == Status.DEAD and not m.revoked]
+        chosen = self._rng.sample(dead, min(len(dead), self.config.gossip_fanout))
+        answers = await asyncio.gather(*(self.ping(m, self.config.probe_timeout_s) for m in chosen))
+        return sum(answers)
 
     async def rejoin_if_cut_off(self, bootstrap: Sequence[str]) -> bool:
         """Rejoin when every other member is dead in this node's eyes: it was cut off (its link
@@ -176,8 +191,8 @@ class Gossip:
 
     def _meta(self, to: Member | None = None) -> dict:
         updates = self.table.piggyback(self.config.piggyback_updates)
-        if to is not None and to.status == Status.SUSPECT:
-            updates.append(to.to_wire())  # tell a suspect so: it can refute
+        if to is not None and to.status in (Status.SUSPECT, Status.DEAD):
+            updates.append(to.to_wire())  # tell a suspect (or the dead, revisited) so: it can refute
         return {"from": self.table.me.to_wire(), "updates": updates}
 
     def _absorb(self, meta: Any, budget: Budget | None = None) -> Member | None:

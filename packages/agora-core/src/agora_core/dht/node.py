@@ -28,7 +28,7 @@ from agora_core.dht.claims import Claims
 from agora_core.dht.directory import check_writer, key_for_address
 from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
-from agora_core.dht.membership import Member, MemberTable, Status
+from agora_core.dht.membership import GONE, Member, MemberTable, Status
 from agora_core.dht.node_metrics import DhtMetrics
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
 from agora_core.dht.replication import Replication
@@ -213,6 +213,12 @@ class DhtNode:
         """Ids of the live members: entries a crashed node published outlive it by up to their
         TTL, its membership only until its failed probes mark it dead."""
         return {m.node_id for m in self.members()}
+
+    def gone(self, node_id: str) -> bool:
+        """Whether this node holds ``node_id`` dead or left (its tombstone): calls to it would
+        wait out their deadlines. Unknown ids are not gone (nothing is known against them)."""
+        member = self.table.get(node_id) if self.table is not None else None
+        return member is not None and member.status in GONE
 
     def left_ids(self) -> set[str]:
         """Ids of the members that announced leaving (their signed LEFT), while their

@@ -46,12 +46,12 @@ MARGIN_S = 30
 LEARNED_NATS = 0.5
 
 
-def make_swarm_shards(out: Path) -> Path:
+def make_swarm_shards(out: Path, *, shards: int = 4, max_mb: float = 2, validation: float = 0.05) -> Path:
     """The standard library's sources with examples/tiny.toml's tokenizer (a BPE learned from
     them), a few dozen files held out as the validation split."""
     command = [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(out)]
-    command += ["--config", str(ROOT / "examples" / "tiny.toml"), "--shards", "4", "--max-mb", "2"]
-    command += ["--validation-fraction", "0.05"]
+    command += ["--config", str(ROOT / "examples" / "tiny.toml"), "--shards", str(shards)]
+    command += ["--max-mb", f"{max_mb:g}", "--validation-fraction", f"{validation:g}"]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return out
 
@@ -65,11 +65,12 @@ EDITS = {
 }
 
 
-def make_swarm_config(tmp_path: Path) -> Path:
-    """examples/tiny.toml with three stages and shorter sync phases."""
+def make_swarm_config(tmp_path: Path, edits: dict[str, str] = EDITS, name: str = "e2e.toml") -> Path:
+    """examples/tiny.toml with each line that starts with a key of ``edits`` replaced by its
+    value (by default: three stages and shorter sync phases)."""
     text = (ROOT / "examples" / "tiny.toml").read_text()
-    lines = [next((v for k, v in EDITS.items() if line.startswith(k)), line) for line in text.splitlines()]
-    path = tmp_path / "e2e.toml"
+    lines = [next((v for k, v in edits.items() if line.startswith(k)), line) for line in text.splitlines()]
+    path = tmp_path / name
     path.write_text("\n".join(lines) + "\n")
     return path
 

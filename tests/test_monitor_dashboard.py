@@ -28,6 +28,7 @@ import pytest
 from agora_core.config import load_run_config
 from agora_core.testing import wait_until
 from agora_monitor.testing import headless_chromium
+from swarm_driver import make_swarm_config, make_swarm_shards  # tests/ is on sys.path (tests/conftest.py)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,31 +37,6 @@ ARTIFACTS = ROOT / "runs" / "test-artifacts"
 PERIOD_S = 1.0  # the monitor's snapshot period here (5 s by default)
 START_S = 120  # the swarm serving and training (torch imports on a busy machine)
 EDITS = {"stage_layers": "stage_layers = [1, 1]", "weight_sync_steps": "weight_sync_steps = 10"}
-
-
-def _config(tmp_path: Path) -> Path:
-    text = (ROOT / "examples" / "tiny.toml").read_text()
-    lines = [next((v for k, v in EDITS.items() if line.startswith(k)), line) for line in text.splitlines()]
-    path = tmp_path / "two.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _shards(tmp_path: Path) -> Path:
-    out = tmp_path / "shards"
-    command = [
-        sys.executable,
-        str(ROOT / "tools" / "make_shards.py"),
-        str(out),
-        "--config",  # its [data] tokenizer is the run's: the config below is cut from it
-        str(ROOT / "examples" / "tiny.toml"),
-        "--shards",
-        "3",
-        "--max-mb",
-        "1",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
-    return out
 
 
 def _get(url: str) -> dict:
@@ -84,7 +60,8 @@ def _workers(run_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(START_S + 90, func_only=True)
 def test_dashboard_shows_a_live_swarm_and_a_killed_worker(tmp_path):
-    config, shards, run_dir = _config(tmp_path), _shards(tmp_path), tmp_path / "run"
+    config = make_swarm_config(tmp_path, EDITS, "two.toml")
+    shards, run_dir = make_swarm_shards(tmp_path / "shards", shards=3, max_mb=1), tmp_path / "run"
     run = load_run_config(config)
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen(

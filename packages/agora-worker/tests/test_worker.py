@@ -19,6 +19,7 @@ from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_core.testing import spawn_python, wait_until_async
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings
+from agora_worker.testing import train_one_pass
 from agora_worker.worker import Worker
 
 DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)
@@ -40,17 +41,9 @@ async def test_a_pipeline_of_workers_trains_one_sample_like_the_local_modules(wo
     pipeline = [await workers(s) for s in range(3)]
     reference = [build_stage(RUN, s) for s in range(3)]  # the same initial weights
     tokens, labels = sample(b=2)
-    head = await client.call(pipeline[0].address, "forward", {"stage": 0}, {"tokens": tokens})
-    body = await client.call(
-        pipeline[1].address, "forward", {"stage": 1}, {"tokens": tokens, "boundary": head.tensors["boundary"]}
-    )
-    tail = await client.call(
-        pipeline[2].address,
-        "forward_backward",
-        {"stage": 2},
-        {"tokens": tokens, "boundary": body.tensors["boundary"], "labels": labels},
-    )
-    evaluated = await client.call(
+    trained = await train_one_pass(client, [w.address for w in pipeline], tokens, labels)
+    body, tail = trained.body, trained.tail
+    evaluated = await client.call(  # no step yet: the weights the pass trained on
         pipeline[2].address,
         "forward",
         {"stage": 2},
@@ -64,17 +57,8 @@ async def test_a_pipeline_of_workers_trains_one_sample_like_the_local_modules(wo
     np.testing.assert_allclose(tail.tensors["loss"], losses.detach().numpy(), rtol=1e-5)
     np.testing.assert_allclose(evaluated.tensors["loss"], tail.tensors["loss"], rtol=1e-6)
     np.testing.assert_allclose(tail.tensors["grad"], x.grad.numpy(), rtol=1e-4, atol=1e-8)
-    back = await client.call(
-        pipeline[1].address,
-        "backward",
-        {"stage": 1},
-        {"tokens": tokens, "boundary": head.tensors["boundary"], "grad": tail.tensors["grad"]},
-    )
-    assert back.tensors["grad"].shape == (2, 8, MODEL.subspace_rank)
-    done = await client.call(
-        pipeline[0].address, "backward", {"stage": 0}, {"tokens": tokens, "grad": back.tensors["grad"]}
-    )
-    assert done.tensors == {}  # the head's backward returns nothing
+    assert trained.back.tensors["grad"].shape == (2, 8, MODEL.subspace_rank)
+    assert trained.done.tensors == {}  # the head's backward returns nothing
     infos = [(await client.call(w.address, "worker.info")).meta for w in pipeline]
     assert [i["samples"] for i in infos] == [2, 2, 2]  # each stage counted the samples it trained
 

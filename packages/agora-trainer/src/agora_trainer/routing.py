@@ -184,7 +184,7 @@ class PipelineRouter:
                 self._injections.reached(Trigger.BACKWARD)
             if self.corrupt_next_gradient:
                 self.corrupt_next_gradient = False
-                grad = np.full_like(grad, np.nan)
+                grad = np.full(grad.shape, np.nan, dtype=np.float32)  # bf16 travels as tagged words
             tensors = {"tokens": inputs, "grad": grad}
             if sent is not None:
                 tensors["boundary"] = sent

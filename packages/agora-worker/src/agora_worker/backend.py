@@ -3,6 +3,10 @@
 A backward pass recomputes the stage's forward from the input the trainer sends back, under
 the worker's current weights: the worker keeps nothing between a sample's forward and its
 backward, so any request can be served in any order and a worker can vanish at any time.
+
+On CUDA the blocks compute under bf16 autocast; the boundary codec runs in fp32 whatever the
+blocks do (``model.subspace``), and what leaves the stage (its output boundary, the gradient
+for its input boundary) leaves in ``boundary_dtype``, the run's ``transport.boundary_dtype``.
 """
 
 from __future__ import annotations
@@ -25,11 +29,22 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+BOUNDARY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # transport.boundary_dtype
+
+
 class StageBackend:
-    def __init__(self, module: nn.Module, optimizer: HostOptimizer, device: torch.device):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: HostOptimizer,
+        device: torch.device,
+        *,
+        boundary_dtype: torch.dtype = torch.float32,
+    ):
         self.module = module
         self.optimizer = optimizer
         self.device = device
+        self.boundary_dtype = boundary_dtype
 
     def _autocast(self):
         if self.device.type == "cuda":  # bf16 compute on accelerators, fp32 master weights on the host
@@ -39,12 +54,21 @@ class StageBackend:
     def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(self.device, non_blocking=True)
 
+    def _leaf(self, boundary: torch.Tensor) -> torch.Tensor:
+        """The input boundary on the device as a leaf of its own, whose gradient the backward
+        fills (never the caller's tensor: on the CPU ``.to`` returns that very tensor)."""
+        return self._to_device(boundary).detach().requires_grad_(True)
+
+    def _outgoing(self, boundary: torch.Tensor) -> torch.Tensor:
+        """A boundary payload or its gradient as it leaves: narrowed on the device, then copied."""
+        return boundary.detach().to(self.boundary_dtype).cpu()
+
     def forward(self, tokens: torch.Tensor, boundary: torch.Tensor | None) -> torch.Tensor:
         """Head/body: the output boundary (B, T, k). Tail: logits are not served; use labels."""
         with torch.no_grad(), self._autocast():
             out = self.module(self._to_device(tokens), self._to_device(boundary))
         self.module.delay("forward", tokens.shape[0])
-        return out.float().cpu()
+        return self._outgoing(out)
 
     def evaluate(self, tokens: torch.Tensor, boundary: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Tail without training: per-sample losses (B,)."""
@@ -58,23 +82,23 @@ class StageBackend:
     ) -> torch.Tensor | None:
         """Recompute the forward, backpropagate ``grad`` (B, T, k) from the output, accumulate
         parameter gradients; returns the gradient for the input boundary (None for the head)."""
-        inputs = None if boundary is None else self._to_device(boundary).requires_grad_(True)
-        with torch.enable_grad(), self._autocast():
-            out = self.module(self._to_device(tokens), inputs)
-        torch.autograd.backward(out, self._to_device(grad).to(out.dtype))
-        self.module.delay("backward", tokens.shape[0])
-        self.optimizer.accumulate(tokens.shape[0])
-        return None if inputs is None else inputs.grad.float().cpu()
+        inputs = None if boundary is None else self._leaf(boundary)
+        with self.optimizer.accumulating(tokens.shape[0]):  # nothing counts if it fails halfway
+            with torch.enable_grad(), self._autocast():
+                out = self.module(self._to_device(tokens), inputs)
+            torch.autograd.backward(out, self._to_device(grad).to(out.dtype))
+            self.module.delay("backward", tokens.shape[0])
+        return None if inputs is None else self._outgoing(inputs.grad)
 
     def forward_backward(
         self, tokens: torch.Tensor, boundary: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tail: per-sample losses (B,) and the gradient for the input boundary, in one pass."""
-        inputs = self._to_device(boundary).requires_grad_(True)
-        with torch.enable_grad(), self._autocast():
-            losses = self.module(self._to_device(tokens), inputs, self._to_device(labels))
-        losses.sum().backward()  # each sample's own loss: batch members do not interact
-        self.module.delay("forward", tokens.shape[0])
-        self.module.delay("backward", tokens.shape[0])
-        self.optimizer.accumulate(tokens.shape[0])
-        return losses.detach().float().cpu(), inputs.grad.float().cpu()
+        inputs = self._leaf(boundary)
+        with self.optimizer.accumulating(tokens.shape[0]):  # nothing counts if it fails halfway
+            with torch.enable_grad(), self._autocast():
+                losses = self.module(self._to_device(tokens), inputs, self._to_device(labels))
+            losses.sum().backward()  # each sample's own loss: batch members do not interact
+            self.module.delay("forward", tokens.shape[0])
+            self.module.delay("backward", tokens.shape[0])
+        return losses.detach().float().cpu(), self._outgoing(inputs.grad)

@@ -178,6 +178,12 @@ def _print_started(worker: Worker, address: str, exposure: MetricsExposure) -> N
 @click.option("--max-batch", "max_batch_samples", type=int, help="Most samples merged into one microbatch.")
 @click.option("--max-batch-tokens", type=int, help="Most tokens in one microbatch.")
 @click.option(
+    "--compute-weights",
+    type=click.Choice(["fp32", "bf16"]),
+    help="The device's copy of the trained weights (default fp32; bf16 halves their device memory). "
+    "Masters and AdamW stay fp32 on the host. CUDA only.",
+)
+@click.option(
     "--progress-interval", "progress_interval_s", type=float, help="Seconds between stage-progress checks."
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")

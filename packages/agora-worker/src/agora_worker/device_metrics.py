@@ -34,3 +34,16 @@ def export_device_memory(metrics: NodeMetrics, device: torch.device) -> bool:
     total = metrics.gauge("agora_worker_device_memory_total_bytes", "The device's memory.")
     total.set(torch.cuda.get_device_properties(index).total_memory)
     return True
+
+
+def device_memory_info(device: torch.device) -> dict | None:
+    """``worker.info``'s ``device_memory``: the same counters now, in bytes (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {
+        "allocated": torch.cuda.memory_allocated(index),
+        "reserved": torch.cuda.memory_reserved(index),
+        "peak": torch.cuda.max_memory_allocated(index),
+        "total": torch.cuda.get_device_properties(index).total_memory,
+    }

@@ -7,6 +7,8 @@ import time
 from typing import TYPE_CHECKING
 
 from agora_worker import __version__
+from agora_worker.compute import transfer_info
+from agora_worker.device_metrics import device_memory_info
 
 if TYPE_CHECKING:
     from agora_worker.worker import Worker
@@ -29,6 +31,12 @@ def worker_info(worker: Worker) -> dict:
         "processed_by_op": dict(runtime.samples_by_op),
         "recent_batch_sizes": list(runtime.batch_sizes),
         "max_batch": worker.max_batch,
+        "device": str(worker.device),
+        # host <-> device transfers of the trained weights (None: one shared copy, a CPU worker)
+        "transfers": transfer_info(worker.optimizer),
+        "oom_splits": runtime.oom_splits,
+        "optimizer_seconds": worker.optimizer.step_seconds,  # all steps' time on the compute thread
+        "device_memory": device_memory_info(worker.device),  # allocated, reserved, peak, total bytes
         "phase": worker.phases.phase,
         "phase_steps_left": worker.phases.steps_left(worker.optimizer.step),
         "join": None if worker.joined is None else worker.joined.info(),

@@ -16,6 +16,7 @@ import numpy as np
 from agora_core.auth.access import only
 from agora_core.config.run import ModelConfig
 from agora_core.contract import Method, Phase, StageRole
+from agora_core.dtypes import Tensor
 from agora_core.errors import BadRequest, NotServing, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.rpc import Payload, Request, RpcServer
@@ -54,10 +55,10 @@ class PipelineService:
         # abandons that sample, and this worker's own accumulated gradients stay clean.
         self.corrupt_next_gradient = False
 
-    def _outgoing_gradient(self, grad: np.ndarray) -> np.ndarray:
+    def _outgoing_gradient(self, grad: Tensor) -> Tensor:
         if self.corrupt_next_gradient:
             self.corrupt_next_gradient = False
-            return np.full_like(grad, np.nan)
+            return np.full(grad.shape, np.nan, dtype=np.float32)  # a bf16 one is tagged words
         return grad
 
     def register(self, server: RpcServer) -> None:

@@ -4,7 +4,11 @@ Connection handlers put each request on the forward or the backward queue. The c
 always serves the queue whose oldest request is older, merges the requests waiting in that
 queue (same op, same sequence length) into one microbatch up to the configured maximum
 samples and tokens, runs it, and hands each caller its own slice of the result. If a merged
-batch fails, its requests are retried one by one, so a poisoned request fails alone.
+batch fails, its requests are retried one by one, so a poisoned request fails alone. A batch
+that runs out of device memory is split in halves and each half run (again split if need
+be); the coalescing limits come down to the half that is tried next. Gradients and samples
+of the attempt that ran out count nowhere (``HostOptimizer.accumulating``), so every sample
+counts once.
 Control work (an optimizer step) runs on the same thread between batches, so weights never
 change under a running batch.
 """
@@ -28,6 +32,7 @@ from agora_core.injection import Slowdown
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_worker.backend import StageBackend
+from agora_worker.tensors import split_samples
 
 log = get_logger("worker.runtime")
 
@@ -109,6 +114,7 @@ class Runtime:
         self.failed_requests = 0
         self.failures_in_a_row = 0
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # recent, for tests/tools
+        self.oom_splits = 0  # microbatches split in halves because device memory ran out
         metrics = metrics or NodeMetrics(role="worker")
         self._m_wait = metrics.histogram(
             "agora_worker_queue_wait_seconds", "Time requests wait in a queue.", ["queue"]
@@ -122,6 +128,12 @@ class Runtime:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
         self._m_samples = metrics.counter("agora_worker_samples_total", "Samples computed, by op.", ["op"])
+        metrics.counter_from(
+            "agora_worker_oom_splits_total",
+            "Microbatches split in halves after running out of device memory.",
+            (),
+            lambda: {(): float(self.oom_splits)},
+        )
 
     # --- the event loop's side -------------------------------------------------------------------
 
@@ -253,20 +265,49 @@ class Runtime:
         merged = {
             name: torch.from_numpy(np.concatenate([task.inputs[name] for task in batch])) for name in names
         }
-        backend, op = self.backend, batch[0].op
-        if op == Op.FORWARD:
-            outputs = {"boundary": backend.forward(merged["tokens"], merged.get("boundary"))}
-        elif op == Op.EVALUATE:
-            outputs = {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
-        elif op == Op.BACKWARD:
-            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
-            outputs = {} if grad is None else {"grad": grad}
-        else:
-            loss, grad = backend.forward_backward(merged["tokens"], merged["boundary"], merged["labels"])
-            outputs = {"loss": loss, "grad": grad}
+        outputs = self._compute_samples(batch[0].op, merged)
         bounds = np.cumsum([task.samples for task in batch])[:-1]
-        split = {name: np.split(tensor.detach().cpu().numpy(), bounds) for name, tensor in outputs.items()}
+        split = {name: split_samples(tensor, bounds) for name, tensor in outputs.items()}
         return [{name: parts[i] for name, parts in split.items()} for i in range(len(batch))]
+
+    def _compute_samples(self, op: Op, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run ``op`` on merged inputs (B, ...); out of device memory, on each half in turn."""
+        try:
+            return self._run_op(op, inputs)
+        except torch.cuda.OutOfMemoryError:
+            samples = inputs["tokens"].shape[0]
+            if samples == 1:
+                raise
+        half = (samples + 1) // 2
+        self._lower_limits(samples, half, inputs["tokens"].shape[1])
+        first = self._compute_samples(op, {name: t[:half] for name, t in inputs.items()})
+        second = self._compute_samples(op, {name: t[half:] for name, t in inputs.items()})
+        return {name: torch.cat([first[name], second[name]]) for name in first}
+
+    def _lower_limits(self, samples: int, half: int, length: int) -> None:
+        self.oom_splits += 1
+        self.max_batch_samples = min(self.max_batch_samples, half)
+        self.max_batch_tokens = min(self.max_batch_tokens, half * length)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed attempt's blocks, back for the halves
+        log.warning(
+            "microbatch_split_out_of_memory",
+            samples=samples,
+            max_batch_samples=self.max_batch_samples,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+
+    def _run_op(self, op: Op, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        backend = self.backend
+        if op == Op.FORWARD:
+            return {"boundary": backend.forward(merged["tokens"], merged.get("boundary"))}
+        if op == Op.EVALUATE:
+            return {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
+        if op == Op.BACKWARD:
+            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
+            return {} if grad is None else {"grad": grad}
+        loss, grad = backend.forward_backward(merged["tokens"], merged["boundary"], merged["labels"])
+        return {"loss": loss, "grad": grad}
 
     @staticmethod
     def _deliver(task: Task, result: Any, error: BaseException | None) -> None:

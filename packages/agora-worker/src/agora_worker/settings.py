@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +17,8 @@ CPU_BATCH_SAMPLES = 32
 @dataclass(kw_only=True, frozen=True)
 class WorkerSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # Largest coalesced microbatch; None sizes it from the device's memory.
+    # Largest coalesced microbatch; None: on CUDA, sized from the free device memory measured
+    # after warm-up microbatches (agora_worker.memory); on a CPU, CPU_BATCH_SAMPLES.
     max_batch_samples: int | None = None
     max_batch_tokens: int | None = None  # default: max_batch_samples * seq_len
     progress_interval_s: float = 1.0  # how often stage progress is published and read
@@ -34,12 +36,17 @@ class WorkerSettings:
     # directory per worker. None: no checkpoints.
     checkpoint_dir: str | None = None
     resume: bool = False  # start from the newest valid checkpoint in checkpoint_dir, if any
+    # The device's copy of the trained weights: fp32, or bf16 to halve the device memory they
+    # take (and the bytes of each upload); the masters and AdamW stay fp32 on the host either
+    # way. CUDA only: a CPU worker computes without autocast, in fp32, and refuses bf16.
+    compute_weights: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         if self.phase is not None:
             require(self.phase in set(Phase), "phase", f"must be one of {', '.join(Phase)}")
             object.__setattr__(self, "phase", Phase(self.phase))  # a name given as a string
         require(self.download in ("auto", "always", "never"), "download", "must be auto, always or never")
+        require(self.compute_weights in ("fp32", "bf16"), "compute_weights", "must be fp32 or bf16")
         require(
             self.max_batch_samples is None or self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1"
         )
@@ -59,19 +66,12 @@ class WorkerSettings:
 
 
 def batch_limits(
-    settings: WorkerSettings, device: torch.device, *, seq_len: int, bytes_per_token: int
+    settings: WorkerSettings, device: torch.device, *, seq_len: int, measure: Callable[[], int]
 ) -> tuple[int, int]:
-    """(samples, tokens) per microbatch: as configured, else what the device memory allows.
-
-    ``bytes_per_token`` estimates the activation memory one token costs in a stage's recomputed
-    forward and backward; a quarter of free accelerator memory is left for everything else.
-    """
+    """(samples, tokens) per microbatch: as configured, else what ``measure()`` finds the
+    device memory allows (CUDA), else CPU_BATCH_SAMPLES."""
     samples = settings.max_batch_samples
     if samples is None:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            samples = max(1, int(0.75 * free) // max(1, bytes_per_token * seq_len))
-        else:
-            samples = CPU_BATCH_SAMPLES
+        samples = measure() if device.type == "cuda" else CPU_BATCH_SAMPLES
     tokens = settings.max_batch_tokens or samples * seq_len
     return samples, tokens

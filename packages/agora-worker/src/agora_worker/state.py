@@ -156,7 +156,7 @@ class StageState:
         and step with the snapshot's (compute thread). Checks first: nothing changes on a
         mismatch."""
         self.check(snapshot)
-        with self.optimizer.lock, torch.no_grad():
+        with self.optimizer.writing_masters():  # the compute copy follows, in one transfer
             for name, tensor, master in self._params:
                 tensor.copy_(torch.from_numpy(np.ascontiguousarray(snapshot.tensors[f"param/{name}"])))
                 if master is None:
@@ -167,10 +167,9 @@ class StageState:
                         moment: torch.from_numpy(np.array(snapshot.tensors[f"adam/{name}/{moment}"]))
                         for moment in ADAM_FIELDS
                     }
-                master.grad = None
-            self.optimizer.sync_compute()
+            # what was accumulated belongs to the replaced weights: gradients and samples go
+            self.optimizer.discard_gradients()
             self.optimizer.step = snapshot.step
-            self.optimizer.samples = 0
 
 
 def _host_copy(tensor: torch.Tensor) -> np.ndarray:

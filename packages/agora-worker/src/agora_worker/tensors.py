@@ -1,12 +1,16 @@
-"""Checks on the tensors a request carries, before it may queue for compute.
+"""Tensors on the wire: checks on those a request carries, before it may queue for compute,
+and the computed results cut back into each caller's share.
 
 Requests stay numpy arrays until the compute thread merges a batch (one ``np.concatenate``
 and one ``torch.from_numpy`` per input), which keeps per-request work off the event loop.
+A bfloat16 result (``transport.boundary_dtype = "bf16"``) travels as a TaggedArray of its
+2-byte words; a receiving stage widens it back to float32 exactly.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from agora_core.dtypes import TaggedArray, Tensor
 from agora_core.errors import BadRequest
@@ -18,6 +22,16 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 def bfloat16_to_float32(words: np.ndarray) -> np.ndarray:
     """bf16 is the top half of a float32: widen the bits, exactly."""
     return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def split_samples(tensor: torch.Tensor, bounds: np.ndarray) -> list[Tensor]:
+    """A computed (B, ...) tensor cut along its samples at ``bounds``, as host arrays ready for
+    the wire: numpy for the dtypes numpy has, bfloat16 as tagged words."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        words = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return [TaggedArray("bfloat16", part) for part in np.split(words, bounds)]
+    return np.split(tensor.numpy(), bounds)
 
 
 def token_ids(

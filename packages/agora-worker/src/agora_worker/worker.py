@@ -30,19 +30,17 @@ from agora_core.schema import WorkerAnnouncement
 from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.averaging import Averager
-from agora_worker.backend import StageBackend, pick_device
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
-from agora_worker.device_metrics import export_device_memory
+from agora_worker.compute import build_compute
 from agora_worker.info import worker_info
 from agora_worker.injections import watcher_for
 from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
-from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer, StepReport
+from agora_worker.optimizer import StepReport
 from agora_worker.pipeline import PipelineService
 from agora_worker.progress import StageProgressTracker
 from agora_worker.runtime import Runtime
-from agora_worker.settings import WorkerSettings, batch_limits
+from agora_worker.settings import WorkerSettings
 from agora_worker.state import StageState
 from agora_worker.termination import watchdog_for
 
@@ -76,21 +74,15 @@ class Worker:
         self.settings = settings or WorkerSettings()
         self.admission = admission or OpenAdmission()
         self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
-        self.device = pick_device(self.settings.device)
-        export_device_memory(self.metrics, self.device)  # a CUDA device's only
-        self.module = build_stage(run, stage, delay_scale=self.settings.surrogate_delay_scale).to(self.device)
+        compute = build_compute(run, stage, self.settings, self.metrics)  # module, optimizer, limits
+        self.device, self.module, self.optimizer = compute.device, compute.module, compute.optimizer
         self.role: StageRole = self.module.role
         self.injections = InjectionPoints()  # where the operator's injected failures fire
-        self.optimizer = HostOptimizer(
-            self.module, run.optimizer, clip_threshold=run.clipping.threshold(stage, run.model.n_stages)
-        )
-        self.max_batch, max_tokens = batch_limits(
-            self.settings, self.device, seq_len=run.model.seq_len, bytes_per_token=_activation_bytes(run)
-        )
+        self.max_batch = compute.max_batch_samples
         self.runtime = Runtime(
-            StageBackend(self.module, self.optimizer, self.device),
+            compute.backend,
             max_batch_samples=self.max_batch,
-            max_batch_tokens=max_tokens,
+            max_batch_tokens=compute.max_batch_tokens,
             metrics=self.metrics,
         )
         self.state = StageState(self.module, self.optimizer)
@@ -308,6 +300,7 @@ class Worker:
             grad_norm=round(report.grad_norm, 4),
             lr=report.lr,
             applied=report.applied,
+            seconds=round(report.seconds, 4),
         )
         return report
 
@@ -385,10 +378,3 @@ class Worker:
             raise BadRequest("averaging.start needs {'round': n >= 0}")
         report = await self.averager.run_round(round_index)
         return Payload(dataclasses.asdict(report))
-
-
-def _activation_bytes(run: RunConfig) -> int:
-    """Rough activation bytes per token of one stage's recomputed forward + backward."""
-    model = run.model
-    layers = max(model.stage_layers)
-    return 4 * model.d_model * layers * int(8 + 2 * model.mlp_ratio)

@@ -270,6 +270,10 @@ class TransportConfig:
     # chunks, few enough that a peer's returned differences and credits do not queue behind a
     # backlog of its own sends.
     stream_window: int = 4
+    # The dtype of what crosses between stages: boundary payloads (B, T, k) and their
+    # gradients. fp32: the receiver rebuilds the residual stream exactly; bf16: half the
+    # inter-stage bytes, rebuilt to within bf16's rounding of the payload. Receivers take both.
+    boundary_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         require(4096 <= self.chunk_bytes <= 64 * MiB, "chunk_bytes", "must lie in [4 KiB, 64 MiB]")
@@ -277,6 +281,7 @@ class TransportConfig:
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
         require(self.connect_timeout_s > 0, "connect_timeout_s", "must be positive")
         require(self.stream_window >= 1, "stream_window", "must be >= 1")
+        require(self.boundary_dtype in ("fp32", "bf16"), "boundary_dtype", 'must be "fp32" or "bf16"')
 
 
 @dataclass(kw_only=True, frozen=True)

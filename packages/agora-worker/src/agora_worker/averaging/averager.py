@@ -235,12 +235,12 @@ class Averager:
         """The delta rule, on the compute thread, under the optimizer's lock.
 
         Each piece is (start in the segment, average - theta*) of a chunk whose average came
-        back; the values of chunks that did not come back keep their local progress.
+        back; the values of chunks that did not come back keep their local progress. Gradients
+        accumulated toward the next step stay: the step applies them to the averaged weights.
         """
-        with self._optimizer.lock:
+        with self._optimizer.writing_masters():  # the device copy follows in one transfer
             self.flat.add(ranges, pieces)
-            self._optimizer.sync_compute()
-            return self._optimizer.step
+        return self._optimizer.step
 
     def _finish(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)

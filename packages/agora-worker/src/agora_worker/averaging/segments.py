@@ -90,7 +90,7 @@ class FlatParameters:
                 update = torch.from_numpy(np.asarray(values, dtype=np.float32))
                 for tensor, lo, hi, out in self._pieces(window):
                     flat = tensor.view(-1)
-                    flat[lo:hi] += update[out : out + hi - lo].to(flat.dtype)
+                    flat[lo:hi] += update[out : out + hi - lo].to(flat.device, flat.dtype)
 
 
 def _windows(ranges: list[tuple[int, int]], pieces: list[tuple[int, np.ndarray]]):

@@ -13,6 +13,7 @@ from torch import nn
 
 from agora_core.config.run import ModelConfig
 from agora_worker.model.seeding import normal
+from agora_worker.model.subspace import full_precision
 
 INIT_STD = 0.02
 
@@ -29,14 +30,18 @@ class RMSNorm(nn.Module):
 
 class SubspaceProjection(nn.Module):
     """y = x Z U^T: a (in -> d) projection whose output always lies in span(U). Z is trained;
-    U (d, k) belongs to the stage and is passed in, so every block shares one copy."""
+    U (d, k) belongs to the stage and is passed in, so every block shares one copy. The last
+    product runs in fp32 under autocast: a bf16 one would round y off the subspace, and the
+    boundary codec would drop what lies outside it."""
 
     def __init__(self, z: torch.Tensor):
         super().__init__()
         self.z = nn.Parameter(z)  # (in, k)
 
     def forward(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-        return (x @ self.z) @ basis.T  # (.., in) -> (.., k) -> (.., d)
+        coefficients = x @ self.z  # (.., in) -> (.., k), in the blocks' compute dtype
+        with full_precision(coefficients):  # (.., k) -> (.., d): in span(U) to fp32 rounding
+            return coefficients.float() @ basis.T
 
 
 class CausalSelfAttention(nn.Module):

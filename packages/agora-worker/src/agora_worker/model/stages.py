@@ -55,8 +55,8 @@ class TransformerStage(nn.Module):
     # pieces, shared with ComposedModel ------------------------------------------------------
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Head only: X0 = PE + T[tokens] + E[tokens] U^T. (B, T) -> (B, T, d)"""
-        return self.fixed.fixed_stream(tokens) + self.embedding[tokens] @ self.fixed.basis.T
+        """Head only: X0 = PE + T[tokens] + E[tokens] U^T, in fp32. (B, T) -> (B, T, d)"""
+        return self.fixed.fixed_stream(tokens) + self.fixed.expand(self.embedding[tokens])
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

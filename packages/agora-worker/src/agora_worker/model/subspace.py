@@ -9,10 +9,16 @@ the fixed token table T[tokens]. So a stage boundary only needs
 
 and the next stage rebuilds X = C U^T + PE + T[tokens] exactly. Gradients cross the same way:
 the receiver differentiates with respect to C, k values per token.
+
+Exactly means in fp32: the codec and the fixed parts run with autocast off, on fp32 inputs,
+whatever dtype the blocks compute in (bf16 autocast on an accelerator), so a stage rebuilds
+the residual stream to fp32 rounding. A run may still narrow the payload on the wire
+(``transport.boundary_dtype = "bf16"``): then X is rebuilt to within bf16's rounding of C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -21,6 +27,11 @@ from agora_core.config.run import ModelConfig
 from agora_worker.model.seeding import generator, normal
 
 EMBEDDING_STD = 0.02
+
+
+def full_precision(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off for ``tensor``'s device: what runs inside computes in its inputs' dtype."""
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
 def subspace_basis(seed: int, d_model: int, rank: int) -> torch.Tensor:
@@ -60,13 +71,20 @@ class FixedParts(torch.nn.Module):
         self.register_buffer("positions", positional_signal(config.seq_len, config.d_model), persistent=False)
 
     def fixed_stream(self, tokens: torch.Tensor) -> torch.Tensor:
-        """PE + T[tokens]: the part of the residual stream outside span(U). (B, T, d)"""
+        """PE + T[tokens]: the part of the residual stream outside span(U). (B, T, d), fp32"""
         return self.positions[: tokens.shape[1]] + self.token_table[tokens]
 
     def encode(self, stream: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) residual stream -> (B, T, k) boundary payload."""
-        return (stream - self.fixed_stream(tokens)) @ self.basis
+        """(B, T, d) residual stream -> (B, T, k) boundary payload, in fp32."""
+        with full_precision(stream):
+            return (stream.float() - self.fixed_stream(tokens)) @ self.basis
 
     def decode(self, boundary: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T, k) boundary payload -> (B, T, d) residual stream."""
-        return boundary @ self.basis.T + self.fixed_stream(tokens)
+        """(B, T, k) boundary payload -> (B, T, d) residual stream, in fp32."""
+        with full_precision(boundary):
+            return boundary.float() @ self.basis.T + self.fixed_stream(tokens)
+
+    def expand(self, coefficients: torch.Tensor) -> torch.Tensor:
+        """(.., k) coefficients -> (.., d) vectors of span(U), in fp32: C U^T."""
+        with full_precision(coefficients):
+            return coefficients.float() @ self.basis.T

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline benchmark: a swarm's tokens/s and how busy its bottleneck stage is kept.
 
-    python benchmarks/pipeline.py [--lanes 2 8 32] [--seconds 10] [--stages 4] [--json]
+    python benchmarks/pipeline.py [--lanes 2 4 8 16 32] [--seconds 10] [--stages 4] [--json]
 
 Real ``agora-worker`` processes, one per stage, serve surrogate stages whose compute is an
 injected per-sample delay (forward 5 ms, backward 10 ms), so each stage's compute bound is
@@ -9,7 +9,7 @@ known; one stage (the bottleneck) is twice as slow. One in-process trainer drive
 through them with L lanes. Figures per lane count, over a measurement window after a warm-up:
   * tokens/s the swarm trains
   * bottleneck utilization: the bottleneck worker's compute time / wall time (target >= 0.9
-    once enough lanes saturate it)
+    at every lane count from 4 to 32; 2 lanes cannot saturate 4 stages)
   * tokens/s over the bottleneck's own compute bound (samples per compute-second it showed in
     the window): how close the pipeline runs to its slowest stage
 """
@@ -130,7 +130,7 @@ async def run(report: Report, lane_counts: list[int], seconds: float, stages: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lanes", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--lanes", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--json", action="store_true")

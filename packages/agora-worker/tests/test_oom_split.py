@@ -72,7 +72,10 @@ async def test_an_out_of_memory_backward_is_split_and_each_sample_counts_once():
     module = FullDeviceStage(limit=2)
     optimizer = HostOptimizer(module, OptimizerConfig(), clip_threshold=1.0)
     runtime = Runtime(
-        StageBackend(module, optimizer, torch.device("cpu")), max_batch_samples=8, max_batch_tokens=100
+        StageBackend(module, optimizer, torch.device("cpu")),
+        max_batch_samples=8,
+        max_batch_tokens=100,
+        min_batch_samples=8,  # all six in one microbatch, not half of them
     )
     requests = [request(seed) for seed in range(6)]
     waits = [asyncio.create_task(runtime.submit(Op.BACKWARD, r)) for r in requests]
@@ -102,7 +105,10 @@ async def test_a_single_sample_that_runs_out_of_memory_fails_alone_and_counts_no
     module = FullDeviceStage(limit=0)
     optimizer = HostOptimizer(module, OptimizerConfig(), clip_threshold=1.0)
     runtime = Runtime(
-        StageBackend(module, optimizer, torch.device("cpu")), max_batch_samples=8, max_batch_tokens=100
+        StageBackend(module, optimizer, torch.device("cpu")),
+        max_batch_samples=8,
+        max_batch_tokens=100,
+        min_batch_samples=8,  # all six in one microbatch, not half of them
     )
     runtime.start()
     try:

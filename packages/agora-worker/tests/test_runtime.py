@@ -20,9 +20,11 @@ class GatedBackend:
         self.gate = threading.Event()
         self.started = threading.Event()
         self.batches: list[tuple[str, int]] = []
+        self.lengths: list[int] = []  # each batch's sequence length
 
     def _run(self, op: str, tokens: torch.Tensor) -> None:
         self.batches.append((op, tokens.shape[0]))
+        self.lengths.append(tokens.shape[1])
         self.started.set()
         if not self.gate.wait(timeout=30):
             raise TimeoutError("the test never opened the gate")
@@ -56,12 +58,32 @@ async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(ru
     rt, backend = runtime
     first = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
-    rest = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in range(2, 12)]
-    await wait_until_async(lambda: rt.queued_samples == 10, what="ten queued samples")
+    values = [v for v in range(2, 23) if v != 13]  # 13 poisons a batch
+    rest = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in values]
+    await wait_until_async(lambda: rt.queued_samples == 20, what="twenty queued samples")
     backend.gate.set()
     results = await asyncio.gather(first, *rest)
-    assert [float(r["boundary"][0, 0, 0]) for r in results] == [2.0 * v for v in range(1, 12)]
-    assert [size for _op, size in backend.batches] == [1, 8, 2]  # merged up to the maximum
+    assert [float(r["boundary"][0, 0, 0]) for r in results] == [2.0 * v for v in [1, *values]]
+    # 20 waiting: the maximum (8, not half of 20), then half of what waits each time -- 6 of
+    # 12, 3 of 6 -- down to a pair (min_batch_samples), then the last one alone
+    assert [size for _op, size in backend.batches] == [1, 8, 6, 3, 2, 1]
+
+
+async def test_a_microbatch_takes_every_waiting_sample_up_to_min_batch_samples():
+    backend = GatedBackend()
+    rt = Runtime(backend, max_batch_samples=8, max_batch_tokens=1000, min_batch_samples=4)
+    rt.start()
+    try:
+        first = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
+        await wait_until_async(backend.started.is_set, what="the first batch to start")
+        rest = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in range(2, 8)]
+        await wait_until_async(lambda: rt.queued_samples == 6, what="six queued samples")
+        backend.gate.set()
+        await asyncio.gather(first, *rest)
+    finally:
+        backend.gate.set()
+        rt.stop()
+    assert [size for _op, size in backend.batches] == [1, 4, 2]  # 4 of 6 (more than half), then 2
 
 
 async def test_the_queue_with_the_older_request_is_served_first(runtime):
@@ -76,7 +98,8 @@ async def test_the_queue_with_the_older_request_is_served_first(runtime):
     await wait_until_async(lambda: rt.queued_samples == 4, what="the forwards to queue")
     backend.gate.set()
     await asyncio.gather(blocker, older, *newer)
-    assert [op for op, _size in backend.batches] == ["forward", "backward", "forward"]
+    # the older backward before the newer forwards (those in a pair, then one)
+    assert [op for op, _size in backend.batches] == ["forward", "backward", "forward", "forward"]
 
 
 async def test_only_requests_of_one_op_and_length_share_a_batch(runtime):
@@ -87,7 +110,9 @@ async def test_only_requests_of_one_op_and_length_share_a_batch(runtime):
     await wait_until_async(lambda: rt.queued_samples == 6, what="six queued")
     backend.gate.set()
     await asyncio.gather(blocker, *tasks)
-    assert sorted(size for _op, size in backend.batches[1:]) == [3, 3]
+    # three of each length wait: a pair of each, then the third of each alone -- never mixed
+    assert [size for _op, size in backend.batches[1:]] == [2, 2, 1, 1]
+    assert backend.lengths[1:] == [6, 4, 6, 4]
 
 
 async def test_a_poisoned_request_fails_alone(runtime):

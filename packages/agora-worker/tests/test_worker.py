@@ -147,6 +147,33 @@ async def test_two_workers_of_a_stage_step_together_when_their_count_reaches_the
     assert a.last_step.applied and b.last_step.applied
 
 
+async def test_an_idle_worker_reports_only_when_its_refresh_is_due_and_at_once_on_its_first_sample(
+    workers, client
+):
+    averaging = dataclasses.replace(SURROGATE.averaging, matchmaking_window_s=2.0)  # within the ttl
+    run = dataclasses.replace(SURROGATE, dht=dataclasses.replace(DHT, record_ttl_s=6.0), averaging=averaging)
+    worker = await workers(1, run)  # progress interval 0.05 s; a report lives 6 s: refresh 2 s
+    refresh_s = run.dht.record_ttl_s / 3
+    await wait_until_async(lambda: worker.progress.publishes >= 1, what="the first report")
+    first, since = worker.progress.publishes, time.monotonic()
+    await wait_until_async(lambda: worker.progress.publishes >= first + 2, what="two refreshes", timeout_s=15)
+    # nothing changed: two refreshes, a refresh period apart -- not a report every 0.05 s tick
+    assert time.monotonic() - since >= refresh_s
+    assert worker.progress.reported == (0, 0)
+    boundary = np.zeros((1, 8, MODEL.subspace_rank), dtype=np.float32)
+    tokens, _ = sample()
+    landed = time.monotonic()
+    await client.call(
+        worker.address,
+        "backward",
+        {"stage": 1},
+        {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
+    )
+    # the first sample wakes the idle worker: its report says so well before the next refresh
+    await wait_until_async(lambda: worker.progress.reported == (0, 1), what="the sample reported")
+    assert time.monotonic() - landed < refresh_s
+
+
 async def test_announcement_appears_and_is_withdrawn_on_clean_shutdown(workers, seed):
     worker = await workers(2)
     key = stage_workers_key(RUN.name, 2)

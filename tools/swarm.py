@@ -32,7 +32,9 @@ Every worker checkpoints into RUN_DIR/checkpoints/<name>/ (and once more when it
 Trainers get the training shards only; the shard set's validation split (documents held out
 by make_shards) is for evaluation. When the swarm has stopped, ``up`` exports the model from
 the workers' final checkpoints to RUN_DIR/model.safetensors and prints its held-out loss (per
-token and in bits per byte) and a short text sample (``--no-export`` skips that).
+token and in bits per byte) and a short text sample, then the cost of decentralization: the
+swarm's samples/s next to the same model's trained centralized on this machine for a few
+seconds (``reference_train.py``; ``--no-export`` skips all of that; ``swarm_results.py``).
 
 This file is the command line; starting, tracking and stopping the processes is
 ``swarm_processes.py``, reading the swarm's state and printing it is ``swarm_status.py``.
@@ -76,6 +78,7 @@ from swarm_processes import (  # tools/ is on sys.path when swarm.py runs as a s
     wait_placed,
     wait_serving,
 )
+from swarm_results import export_and_evaluate, report_efficiency
 from swarm_status import describe_swarm, summarize, watch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,20 +121,6 @@ def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
     command = [sys.executable, str(ROOT / "tools" / "make_shards.py"), str(shards), "--config", config]
     command += ["--shards", "8", "--max-mb", f"{max_mb:g}", "--validation-fraction", str(VALIDATION_FRACTION)]
     subprocess.run(command, check=True)
-
-
-def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
-    """The trained model from the workers' final checkpoints, its held-out loss and a sample."""
-    model = run_dir / "model.safetensors"
-    click.echo("what did the swarm learn? exporting the model from the workers' final checkpoints ...")
-    tools = ROOT / "tools"
-    export = [sys.executable, str(tools / "export_model.py"), "--config", config, "--out", str(model)]
-    export += ["--shards", str(shards)]  # the model records the shards' tokenizer
-    if subprocess.run([*export, "--from-checkpoints", str(run_dir / "checkpoints")]).returncode != 0:
-        click.echo("no model exported (see the error above)")
-        return
-    evaluate = [sys.executable, str(tools / "evaluate.py"), str(model), "--shards", str(shards)]
-    subprocess.run([*evaluate, "--samples", "256", "--tokens", "160"])
 
 
 def trainer_ranges(shards: Path, index: int, trainers: int) -> str:
@@ -312,9 +301,10 @@ def up(
         click.echo("stopping the swarm ...")
     finally:
         stop_all(SwarmFile.load(run_dir))  # kill-worker and add-worker may have changed it
-    summarize(run_dir, started, run.model.seq_len)
+    rate = summarize(run_dir, started, run.model.seq_len)
     if export:
         export_and_evaluate(run_dir, swarm.config, shards)
+        report_efficiency(rate, config, shards)
 
 
 def _interrupted(signum, frame) -> None:

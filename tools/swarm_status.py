@@ -192,8 +192,9 @@ def describe_swarm(swarm) -> list[str]:
     return lines
 
 
-def summarize(run_dir: Path, started: float, seq_len: int) -> None:
-    """The run's loss, first samples against last, and its throughput, from the loss logs."""
+def summarize(run_dir: Path, started: float, seq_len: int) -> float | None:
+    """The run's loss, first samples against last, and its throughput, from the loss logs;
+    returns the throughput in samples/s (None: too few samples to tell)."""
     records = []
     for path in sorted(run_dir.glob("trainer-*.losses.jsonl")):
         for line in path.read_text().splitlines():
@@ -204,7 +205,7 @@ def summarize(run_dir: Path, started: float, seq_len: int) -> None:
     losses = [loss for _, loss in records]
     if not losses:
         click.echo("no samples completed")
-        return
+        return None
     window = max(1, min(64, len(losses) // 4))
     first = sum(losses[:window]) / window
     last = sum(losses[-window:]) / window
@@ -215,3 +216,5 @@ def summarize(run_dir: Path, started: float, seq_len: int) -> None:
     if len(records) > 1 and records[-1][0] > records[0][0]:
         rate = (len(records) - 1) / (records[-1][0] - records[0][0])
         click.echo(f"training throughput: {rate:.1f} samples/s, {rate * seq_len:.0f} tokens/s")
+        return rate
+    return None

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Efficiency benchmark: the cost of decentralization, swarm vs centralized, same machine.
+
+    python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--idle-seconds 20] [--json]
+
+The tiny example model (examples/tiny.toml) trained over the same samples, in the same order:
+  * centralized: ``tools/reference_train.py`` (every stage in one process, batches of
+    ``target_batch_size``, torch on every core);
+  * the main job: ``tools/swarm.py up`` (DHT seed, authorizer, health monitor, 4 stages x R
+    workers, one trainer), as a user runs it, once per ``--replicas`` count.
+Figures: swarm samples/s / centralized samples/s (target >= 0.5), the loss ratio over the last
+quarter of the samples, 3 replicas vs 2 (target >= 0.9x: a replica adds capacity, not cost),
+and what an idle swarm burns: cores used by all its processes together with no trainer.
+
+The bound on this machine: a worker keeps nothing between a sample's forward and its backward,
+so its backward recomputes the forward. A sample costs a swarm 2 forwards + 1 backward (about
+4 forward-units: a backward is ~2) where the centralized run pays 3, so at equal per-sample
+cost the swarm's ceiling is 3/4 of the centralized rate, before messages, averaging, and 12
+processes sharing two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _churn_swarm import DrivenSwarm, ensure_shards  # benchmarks/ is on sys.path as a script
+from _report import Report
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "tiny.toml"
+PYTHON = sys.executable
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def mean_tail(losses: list[float]) -> float:
+    """Mean loss over the last quarter of the samples (in the order they were trained)."""
+    tail = losses[-max(1, len(losses) // 4) :]
+    return sum(tail) / len(tail)
+
+
+def centralized(shards: Path, samples: int, folder: Path, note) -> tuple[float, float]:
+    """(samples/s, tail loss) of tools/reference_train.py."""
+    log = folder / "reference.losses.jsonl"
+    command = [PYTHON, str(ROOT / "tools" / "reference_train.py"), "--config", str(CONFIG)]
+    command += ["--shards", str(shards), "--samples", str(samples), "--loss-log", str(log)]
+    note(f"centralized: {samples} samples")
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rates = re.findall(r"\(([\d.]+) samples/s\)", out)
+    if not rates:
+        raise RuntimeError(f"reference_train.py printed no rate:\n{out}")
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    return float(rates[-1]), mean_tail(losses)
+
+
+def swarm(shards: Path, samples: int, replicas: int, folder: Path, note) -> tuple[float, float]:
+    """(samples/s, tail loss) of the main job with ``replicas`` workers per stage."""
+    run_dir = folder / f"swarm-r{replicas}"
+    command = [PYTHON, str(ROOT / "tools" / "swarm.py"), "up", "--config", str(CONFIG)]
+    command += ["--shards", str(shards), "--samples", str(samples), "--replicas", str(replicas)]
+    command += ["--no-export", "--run-dir", str(run_dir), "--status-interval", "30"]
+    note(f"swarm: {replicas} workers per stage, {samples} samples")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    found = re.search(r"training throughput: ([\d.]+) samples/s", proc.stdout)
+    if proc.returncode != 0 or not found:
+        logs = [Path(p) for p in re.findall(r"see (\S+\.log)", proc.stdout + proc.stderr)]
+        tails = "".join(f"\n--- {p}:\n{p.read_text()[-2000:]}" for p in logs if p.exists())
+        raise RuntimeError(f"swarm.py up failed ({proc.returncode}):\n{proc.stdout[-2000:]}{tails}")
+    records = [json.loads(line) for line in (run_dir / "trainer-0.losses.jsonl").read_text().splitlines()]
+    records.sort(key=lambda r: r["t"])
+    return float(found.group(1)), mean_tail([r["loss"] for r in records])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def idle_cores(shards: Path, replicas: int, seconds: float, folder: Path, note) -> dict[str, float]:
+    """Cores each role's processes use, summed, in a swarm serving with no trainer."""
+    driven = DrivenSwarm(folder / f"idle-r{replicas}", str(CONFIG), shards, replicas, lanes=4)
+    note(f"idle swarm: {replicas} workers per stage, {seconds:g} s without a trainer")
+    try:
+        driven.up()
+        time.sleep(5.0)  # past start-up: joins, first announcements, weight sync settle
+        members = [m for m in driven.swarm.members if m.alive]
+        before = {m.pid: cpu_seconds(m.pid) for m in members}
+        started = time.monotonic()
+        time.sleep(seconds)  # the measurement window itself, not a synchronization
+        elapsed = time.monotonic() - started
+        used: dict[str, float] = {}
+        for m in members:
+            used[m.role] = used.get(m.role, 0.0) + (cpu_seconds(m.pid) - before[m.pid]) / elapsed
+        return used
+    finally:
+        driven.down()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1024, help="samples per run (each run the same ones)")
+    parser.add_argument(
+        "--replicas", type=int, nargs="+", default=[2, 3], help="workers per stage, per swarm run"
+    )
+    parser.add_argument(
+        "--idle-seconds", type=float, default=20.0, help="idle window (0: skip the idle figure)"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = Report("efficiency", as_json=args.json)
+    shards = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swarm.py default)
+    ensure_shards(shards, str(CONFIG), args.samples)
+    with tempfile.TemporaryDirectory(prefix="agora-efficiency-") as tmp:
+        folder = Path(tmp)
+        rate, loss = centralized(shards, args.samples, folder, report.note)
+        report.add("centralized_samples_per_s", rate, "samples/s")
+        rates = {}
+        for replicas in args.replicas:
+            rates[replicas], swarm_loss = swarm(shards, args.samples, replicas, folder, report.note)
+            report.compare(
+                f"swarm_r{replicas}_vs_centralized_samples_per_s",
+                rates[replicas],
+                rate,
+                "samples/s",
+                target=">= 0.5" if replicas == 2 else None,
+            )
+            report.compare(f"swarm_r{replicas}_vs_centralized_tail_loss", swarm_loss, loss, "nats/token")
+        if 2 in rates and 3 in rates:
+            report.compare("swarm_r3_vs_r2_samples_per_s", rates[3], rates[2], "samples/s", target=">= 0.9")
+        if args.idle_seconds > 0:
+            used = idle_cores(shards, 2, args.idle_seconds, folder, report.note)
+            for role, cores in sorted(used.items()):
+                report.add(f"idle_{role}_cores", cores, "cores")
+            report.add("idle_swarm_cores", sum(used.values()), "cores", target="nearly 0")
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -2,9 +2,10 @@
 
 This is the glue between the record store and the RPC layer, as ``gossip`` is for membership:
 the ``dht.store``, ``dht.get`` and ``dht.digest`` methods a replica serves, and the calls that
-reach them on other nodes. Writes go to every replica in parallel. Reads ask every replica,
-merge newest-wins (counting only copies that pass the store rules) and repair replicas that
-answered without the winner. When membership changes, a node hands the records it holds to
+reach them on other nodes. Writes go to every replica in parallel. Reads ask a majority of
+the replicas, hedging to the others when one is slow or fails (``reads``), merge newest-wins
+(counting only copies that pass the store rules) and repair replicas that answered without
+the winner, late answers included. When membership changes, a node hands the records it holds to
 their new replicas; every few periods, digest anti-entropy sends replicas what they lack.
 Every path ends in the same checks (``RecordStore.validate``: the writer's signature above
 all). A store request carries its sender's own membership claim, so a replica that has not
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht import bulk
 from agora_core.dht.membership import Member
+from agora_core.dht.reads import HedgeDelay, QuorumRead
 from agora_core.dht.records import DhtError, Record, RecordRejected
 from agora_core.dht.storage import RecordStore, newer
 from agora_core.errors import BadRequest, RpcError
@@ -62,6 +65,10 @@ class Replication:
         self._sender = sender
         self._introduce = introduce
         self._replica_memo: dict[str, frozenset[str]] = {}  # key -> replicas it was last handed to
+        # Reads ask more replicas than a quorum only after this long (``reads``); the floor
+        # keeps scheduling jitter on a fast link from doubling the requests.
+        self._hedge = HedgeDelay(floor_s=0.005, ceiling_s=config.op_timeout_s / 5)
+        self._rng = random.Random()
         # plain functions where the answer is at hand: the server runs them on its receive
         # path, without a task per request
         for method, handler in (
@@ -152,10 +159,13 @@ class Replication:
         meta = reply.meta if isinstance(reply.meta, dict) else {}
         return list(meta.get("stored") or []), list(meta.get("errors") or [])
 
+    def _get_here(self, keys: list[str]) -> dict[str, dict[str, Record]]:
+        now = time.time()
+        return {key: self.records.get(key, now=now) for key in keys}
+
     async def _get_at(self, member: Member, keys: list[str]) -> dict[str, dict[str, Record]]:
         if member.node_id == self.node_id:
-            now = time.time()
-            return {key: self.records.get(key, now=now) for key in keys}
+            return self._get_here(keys)
         reply = await self.client.call(
             member.address, Method.DHT_GET, *bulk.pack("keys", keys), timeout_s=self.config.op_timeout_s
         )
@@ -194,26 +204,24 @@ class Replication:
             raise DhtError(f"no replica of {key!r} could be reached: {[str(r) for r in results]}")
         return accepted
 
-    def _group_by_replica(self, keys: Iterable[str]) -> dict[str, tuple[Member, list[str]]]:
-        groups: dict[str, tuple[Member, list[str]]] = {}
-        for key in keys:
-            for member in self.replicas(key):
-                groups.setdefault(member.node_id, (member, []))[1].append(key)
-        return groups
-
     async def read(self, keys: Sequence[str]) -> dict[str, dict[str, Record]]:
-        """The newest valid record of every subkey of ``keys``, one request per replica."""
-        groups = self._group_by_replica(keys)
-        members = [member for member, _keys in groups.values()]
-        answers = await asyncio.gather(
-            *(self._get_at(m, ks) for m, ks in groups.values()), return_exceptions=True
+        """The newest valid record of every subkey of ``keys``, from a majority of each key's
+        replicas (``reads``: which, and why that keeps read-your-writes)."""
+        read = QuorumRead(
+            keys,
+            self.replicas,
+            local_id=self.node_id,
+            local=self._get_here,
+            remote=self._get_at,
+            hedge=self._hedge,
+            rng=self._rng,
         )
+        answers = await read.run()
         candidates: dict[str, dict[str, set[Record]]] = {key: {} for key in keys}
-        for answer in answers:
-            if not isinstance(answer, BaseException):
-                for key, records in answer.items():
-                    for subkey, record in records.items():
-                        candidates[key].setdefault(subkey, set()).add(record)
+        for _member, answer in answers:
+            for key, records in answer.items():
+                for subkey, record in records.items():
+                    candidates[key].setdefault(subkey, set()).add(record)
         merged: dict[str, dict[str, Record]] = {key: {} for key in keys}
         now = time.time()
         for key, subkeys in candidates.items():
@@ -227,14 +235,23 @@ class Replication:
                         continue
                     merged[key][subkey] = record
                     break
-        self._repair(merged, members, answers)
+        self._repair(merged, answers)
+        if read.late:  # repair those too once they answer, without holding up this read
+            self._spawn(self._repair_late(merged, read.late))
         return merged
 
-    def _repair(self, merged, members: list[Member], answers: list) -> None:
+    async def _repair_late(self, merged, late: dict[asyncio.Task, Member]) -> None:
+        # Bounded: at most R - Q calls per read, each ending by its op timeout; the node
+        # cancels this (and with it the calls) when it stops.
+        results = await asyncio.gather(*late, return_exceptions=True)
+        self._repair(
+            merged,
+            [(m, r) for m, r in zip(late.values(), results, strict=True) if not isinstance(r, BaseException)],
+        )
+
+    def _repair(self, merged, answers: list[tuple[Member, dict]]) -> None:
         """Read repair: push the winning records to replicas that answered without them."""
-        for member, answer in zip(members, answers, strict=True):
-            if isinstance(answer, BaseException):
-                continue
+        for member, answer in answers:
             stale = [
                 (key, subkey, record)
                 for key, records in answer.items()

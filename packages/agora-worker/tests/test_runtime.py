@@ -52,8 +52,17 @@ def runtime():
     rt.stop()
 
 
-async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime):
+async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime, monkeypatch):
     rt, backend = runtime
+    loop = asyncio.get_running_loop()
+    wakes = []  # the threads that woke this loop
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        wakes.append(threading.current_thread().name)
+        return original(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
     first = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
     rest = [asyncio.create_task(rt.submit(Op.FORWARD, sample(v))) for v in range(2, 12)]
@@ -62,6 +71,7 @@ async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(ru
     results = await asyncio.gather(first, *rest)
     assert [float(r["boundary"][0, 0, 0]) for r in results] == [2.0 * v for v in range(1, 12)]
     assert [size for _op, size in backend.batches] == [1, 8, 2]  # merged up to the maximum
+    assert wakes.count("agora-compute") == 3  # the answers of a batch wake the loop once
 
 
 async def test_the_queue_with_the_older_request_is_served_first(runtime):
@@ -127,3 +137,16 @@ async def test_control_work_runs_between_batches_on_the_compute_thread(runtime):
     backend.gate.set()
     thread = await asyncio.wrap_future(rt.call(lambda: threading.current_thread().name))
     assert thread == "agora-compute"
+
+
+async def test_a_control_whose_asker_gave_up_leaves_the_compute_thread_serving(runtime):
+    rt, backend = runtime
+    backend.gate.set()
+    release = threading.Event()
+    abandoned = rt.call(lambda: release.wait(timeout=30))
+    assert abandoned.cancel()  # the asker stopped waiting (a stopping worker's step)
+    release.set()
+    async with asyncio.timeout(10):  # a dead compute thread would leave it waiting for ever
+        result = await rt.submit(Op.FORWARD, sample(4))
+    assert float(result["boundary"][0, 0, 0]) == 8.0
+    assert rt._thread.is_alive()

@@ -54,8 +54,17 @@ def runtime():
     rt.stop()
 
 
-async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime):
+async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(runtime, monkeypatch):
     rt, backend = runtime
+    loop = asyncio.get_running_loop()
+    wakes = []  # the threads that woke this loop
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        wakes.append(threading.current_thread().name)
+        return original(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
     first = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(backend.started.is_set, what="the first batch to start")
     values = [v for v in range(2, 23) if v != 13]  # 13 poisons a batch
@@ -67,6 +76,7 @@ async def test_waiting_requests_are_merged_and_each_caller_gets_its_own_slice(ru
     # 20 waiting: the maximum (8, not half of 20), then half of what waits each time -- 6 of
     # 12, 3 of 6 -- down to a pair (min_batch_samples), then the last one alone
     assert [size for _op, size in backend.batches] == [1, 8, 6, 3, 2, 1]
+    assert wakes.count("agora-compute") == 6  # the answers of a batch wake the loop once
 
 
 async def test_a_microbatch_takes_every_waiting_sample_up_to_min_batch_samples():
@@ -152,3 +162,16 @@ async def test_control_work_runs_between_batches_on_the_compute_thread(runtime):
     backend.gate.set()
     thread = await asyncio.wrap_future(rt.call(lambda: threading.current_thread().name))
     assert thread == "agora-compute"
+
+
+async def test_a_control_whose_asker_gave_up_leaves_the_compute_thread_serving(runtime):
+    rt, backend = runtime
+    backend.gate.set()
+    release = threading.Event()
+    abandoned = rt.call(lambda: release.wait(timeout=30))
+    assert abandoned.cancel()  # the asker stopped waiting (a stopping worker's step)
+    release.set()
+    async with asyncio.timeout(10):  # a dead compute thread would leave it waiting for ever
+        result = await rt.submit(Op.FORWARD, sample(4))
+    assert float(result["boundary"][0, 0, 0]) == 8.0
+    assert rt._thread.is_alive()

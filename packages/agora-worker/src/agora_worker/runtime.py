@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import threading
 import time
@@ -79,13 +80,14 @@ class Task:
         return self.inputs["tokens"].shape[1]
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _settle(answers: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for future, result, error in answers:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 class Runtime:
@@ -140,6 +142,9 @@ class Runtime:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
         self._m_samples = metrics.counter("agora_worker_samples_total", "Samples computed, by op.", ["op"])
+        # the labelled children, each looked up once (on first use, so a series appears only
+        # once it has samples): .labels() is a lock and a dict walk on the compute thread
+        self._m_children: dict[Op, tuple] = {}
         metrics.counter_from(
             "agora_worker_oom_splits_total",
             "Microbatches split in halves after running out of device memory.",
@@ -237,18 +242,29 @@ class Runtime:
                     return  # stopping, and nothing left to do
             what, payload = item
             if what == "control":
-                work, future = payload
-                try:
-                    future.set_result(work())
-                except BaseException as exc:  # reported to whoever asked for the work
-                    future.set_exception(exc)
+                self._run_control(*payload)
             else:
                 self._run_batch(payload)
 
+    @staticmethod
+    def _run_control(work: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        try:
+            result, error = work(), None
+        except BaseException as exc:  # reported to whoever asked for the work
+            result, error = None, exc
+        # The asker may have given up meanwhile (a stopping worker cancels its step's wait):
+        # the work ran, nobody takes its answer, and the compute thread must live on.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
     def _run_batch(self, batch: list[Task]) -> None:
         started = time.monotonic()
+        wait, compute, counted = self._children(batch[0].op)  # a batch holds one op
         for task in batch:
-            self._m_wait.labels(queue=task.op.queue).observe(started - task.enqueued)
+            wait.observe(started - task.enqueued)
         try:
             results = self._compute(batch)
         except Exception as exc:
@@ -256,7 +272,7 @@ class Runtime:
                 self.failed_requests += 1
                 self.failures_in_a_row += 1
                 log.warning("request_failed", op=batch[0].op, error=f"{type(exc).__name__}: {exc}")
-                self._deliver(batch[0], None, exc)
+                self._deliver([(batch[0], None, exc)])
                 return
             for task in batch:  # find the poisoned request: the others still get answers
                 self._run_batch([task])
@@ -270,11 +286,20 @@ class Runtime:
         self.samples_by_op[batch[0].op] += samples
         self.compute_seconds += elapsed
         self.batch_sizes.append(samples)
-        self._m_compute.labels(op=batch[0].op).observe(elapsed)
+        compute.observe(elapsed)
         self._m_batch.observe(samples)
-        self._m_samples.labels(op=batch[0].op).inc(samples)
-        for task, result in zip(batch, results, strict=True):
-            self._deliver(task, result, None)
+        counted.inc(samples)
+        self._deliver([(task, result, None) for task, result in zip(batch, results, strict=True)])
+
+    def _children(self, op: Op) -> tuple:
+        children = self._m_children.get(op)
+        if children is None:
+            children = self._m_children[op] = (
+                self._m_wait.labels(queue=op.queue),
+                self._m_compute.labels(op=op),
+                self._m_samples.labels(op=op),
+            )
+        return children
 
     def _compute(self, batch: list[Task]) -> list[dict[str, np.ndarray]]:
         names = batch[0].inputs.keys()
@@ -326,6 +351,13 @@ class Runtime:
         return {"loss": loss, "grad": grad}
 
     @staticmethod
-    def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
-        if not task.loop.is_closed():
-            task.loop.call_soon_threadsafe(_settle, task.future, result, error)
+    def _deliver(answered: list[tuple[Task, Any, BaseException | None]]) -> None:
+        """Results or errors, one wake-up per event loop for all of them: each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe, and that write hands the GIL to
+        the woken loop, so one per request made the compute thread wait for the loop each time."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for task, result, error in answered:
+            by_loop.setdefault(task.loop, []).append((task.future, result, error))
+        for loop, answers in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_settle, answers)

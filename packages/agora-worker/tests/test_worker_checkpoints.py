@@ -201,6 +201,12 @@ def test_a_killed_worker_restarted_with_resume_continues_from_its_checkpoint(tmp
             assert first.read_until("  checkpoint ", timeout_s=10).startswith(str(checkpoints))
             for step in range(1, 5):
                 train_one_step(address, step)
+                if step == 2:  # one write at a time: step 4's would be skipped while 2's still runs
+                    wait_until(
+                        lambda: (info(address)["checkpoint"] or {}).get("last_step") == 2,
+                        what="the checkpoint of step 2",
+                        every_s=0.05,
+                    )
             wait_until(
                 lambda: (info(address)["checkpoint"] or {}).get("last_step") == 4,
                 what="the checkpoint of step 4",

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from _churn_swarm import DrivenSwarm, ensure_shards  # benchmarks/ is on sys.path as a script
 from _report import Report
+from swarm_results import centralized_rate  # tools/ is on sys.path once _churn_swarm is imported
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.toml"
@@ -47,17 +48,14 @@ def mean_tail(losses: list[float]) -> float:
 
 
 def centralized(shards: Path, samples: int, folder: Path, note) -> tuple[float, float]:
-    """(samples/s, tail loss) of tools/reference_train.py."""
+    """(samples/s, tail loss) of tools/reference_train.py, as the main job's last line runs it."""
     log = folder / "reference.losses.jsonl"
-    command = [PYTHON, str(ROOT / "tools" / "reference_train.py"), "--config", str(CONFIG)]
-    command += ["--shards", str(shards), "--samples", str(samples), "--loss-log", str(log)]
     note(f"centralized: {samples} samples")
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    rates = re.findall(r"\(([\d.]+) samples/s\)", out)
-    if not rates:
-        raise RuntimeError(f"reference_train.py printed no rate:\n{out}")
+    rate = centralized_rate(str(CONFIG), shards, samples, loss_log=log)
+    if rate is None:
+        raise RuntimeError(f"tools/reference_train.py could not train {CONFIG} on {shards}")
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    return float(rates[-1]), mean_tail(losses)
+    return rate, mean_tail(losses)
 
 
 def swarm(shards: Path, samples: int, replicas: int, folder: Path, note) -> tuple[float, float]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -31,15 +30,18 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
     subprocess.run([*evaluate, "--samples", "256", "--tokens", "160"])
 
 
-def centralized_rate(config: str, shards: Path, samples: int = CENTRALIZED_SAMPLES) -> float | None:
-    """Samples/s of ``reference_train.py`` on this machine over the first ``samples`` samples
-    (None where it cannot run: e.g. a surrogate model, or fewer samples in the shards)."""
-    with tempfile.TemporaryDirectory(prefix="agora-centralized-") as folder:
-        command = [sys.executable, str(TOOLS / "reference_train.py"), "--config", config]
-        command += ["--shards", str(shards), "--samples", str(samples), "--print-every", str(samples)]
-        command += ["--loss-log", str(Path(folder) / "losses.jsonl")]
-        done = subprocess.run(command, capture_output=True, text=True)
-    rates = re.findall(r"\(([\d.]+) samples/s\)", done.stdout)
+def centralized_rate(
+    config: str, shards: Path, samples: int = CENTRALIZED_SAMPLES, *, loss_log: Path | None = None
+) -> float | None:
+    """Samples/s of ``reference_train.py`` on this machine over the first ``samples`` samples,
+    its per-sample losses in ``loss_log`` if given (None where it cannot run: e.g. a surrogate
+    model, or fewer samples in the shards)."""
+    command = [sys.executable, str(TOOLS / "reference_train.py"), "--config", config]
+    command += ["--shards", str(shards), "--samples", str(samples), "--print-every", str(samples)]
+    if loss_log is not None:
+        command += ["--loss-log", str(loss_log)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    rates = re.findall(r"\(([\d.]+) samples/s\)", done.stdout)  # its status line's rate, since the start
     return float(rates[-1]) if done.returncode == 0 and rates else None
 
 

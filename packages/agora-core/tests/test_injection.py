@@ -329,7 +329,8 @@ async def test_calls_in_flight_to_a_member_declared_dead_fail_at_once_not_at_the
     await frozen.start()
     try:
         call = asyncio.create_task(caller.client.call(frozen.address, "wait", timeout_s=30))
-        await asyncio.sleep(0)
+        # in flight: the frozen node's handler holds it (then the link drops)
+        await wait_until_async(lambda: frozen.server.inflight == 1, what="the call to reach its handler")
         frozen.server.drop_link(10)  # its handler stays busy and it answers no probe
         frozen.client.drop_link(10)
         started = time.monotonic()

@@ -11,7 +11,6 @@ both cases counted in ``agora_rpc_rejected_messages_total{reason}``. The server 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +42,7 @@ from agora_core.rpc.server_calls import (
     response_message,
 )
 from agora_core.rpc.server_metrics import ServerMetrics
+from agora_core.rpc.server_replies import ServerReplies
 from agora_core.rpc.server_security import ServerSecurity
 from agora_core.rpc.streams import ServerStream
 from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
@@ -52,7 +52,6 @@ from agora_core.wire import (
     Message,
     check_header,
     decode_tensors,
-    encode,
     peek_request_id,
     unpack_header,
 )
@@ -89,13 +88,13 @@ class RpcServer:
         self._link = link
         self._handlers: dict[str, Handler] = {}
         self._calls: dict[tuple[bytes, int], Call] = {}
-        self._background: set[asyncio.Task] = set()
         self._pump: SocketPump | None = None
         self._closing = False
         self.address: str | None = None
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
         self.traffic = Traffic()  # messages and bytes, as plain numbers for tools and benchmarks
         self._metrics = ServerMetrics(metrics, self.traffic)
+        self._replies = ServerReplies(node_id=node_id, wire=self.config.wire, traffic=self.traffic)
 
     # --- registration and lifecycle --------------------------------------------------------
 
@@ -144,6 +143,7 @@ class RpcServer:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pump = SocketPump(sock, self._on_frames, link=self._link, name=f"rpc-server {self.address}")
         self._pump.start()
+        self._replies.pump = self._pump
         log.debug("server_started", address=self.address, methods=self.methods)
         return self.address
 
@@ -155,10 +155,10 @@ class RpcServer:
             await asyncio.wait(tasks, timeout=grace_s)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._replies.background, return_exceptions=True)
         if self._pump is not None:
             await self._pump.close()
-            self._pump = None
+            self._pump = self._replies.pump = None
         if self._guard is not None:
             self._guard.close()
 
@@ -206,7 +206,7 @@ class RpcServer:
             self._reject(reject_reason(exc))
             rid = peek_request_id(header)
             if rid is not None:
-                self._reply_error(identity, rid, BadRequest(str(exc)))
+                self._replies.error(identity, rid, BadRequest(str(exc)))
             return
         key = (identity, message.request_id)
         if message.kind == Kind.REQUEST:
@@ -242,9 +242,9 @@ class RpcServer:
             caller, answer = self._guard.screen(first, message, handler, self._handlers.values())
             if isinstance(answer, RpcError):
                 self._reject(answer.code)
-                return self._reply_error(identity, rid, answer)
+                return self._replies.error(identity, rid, answer)
             if answer is not None:  # the greeting's: sent at once, not from a task (see screen)
-                return self._reply(identity, answer)
+                return self._replies.reply(identity, answer)
             sender = caller.node_id if caller is not None else ""
         remaining = message.deadline_s if message.deadline_s is not None else self.config.default_timeout_s
         refused = refusal_before_start(
@@ -257,12 +257,12 @@ class RpcServer:
         )
         if refused is not None:
             self._reject(refused[0])
-            return self._reply_error(identity, rid, refused[1])
+            return self._replies.error(identity, rid, refused[1])
         try:
             tensors = decode_tensors(header, data, self.config.wire.limits)
         except WireError as exc:
             self._reject(reject_reason(exc))
-            return self._reply_error(identity, rid, BadRequest(str(exc)))
+            return self._replies.error(identity, rid, BadRequest(str(exc)))
         request = Request(
             method=message.method,
             meta=message.meta,
@@ -290,7 +290,7 @@ class RpcServer:
                 window=handler.window,
                 peer_window=credit,
                 deadline=request.deadline,
-                send_message=lambda m: self._send(identity, m),
+                send_message=lambda m: self._replies.send(identity, m),
             )
         self._calls[key] = call
         self._metrics.inflight.inc()
@@ -322,7 +322,7 @@ class RpcServer:
         except Exception as exc:
             error = handler_failure(request.method, exc)
             reply, outcome = error_message(rid, error), error.code
-        self._reply(identity, reply)
+        self._replies.reply(identity, reply)
         self._metrics.handled(request.method, outcome, time.perf_counter() - started)
 
     async def _run(
@@ -333,7 +333,7 @@ class RpcServer:
         try:
             try:
                 if call.stream is not None:  # open the client's send window
-                    await self._send(
+                    await self._replies.send(
                         identity, Message(kind=Kind.CREDIT, request_id=rid, credit=handler.window)
                     )
                 if running is None:
@@ -344,7 +344,7 @@ class RpcServer:
                     raise
                 raise DeadlineExceeded(f"{request.method!r} ran past the caller's deadline") from None
             try:
-                await self._send(identity, response_message(rid, result))
+                await self._replies.send(identity, response_message(rid, result))
             except WireError as exc:
                 raise HandlerFailed(f"reply could not be encoded: {exc}") from None
         except asyncio.CancelledError:
@@ -354,7 +354,7 @@ class RpcServer:
         except Exception as exc:  # a typed refusal, or a handler bug: report it, keep serving
             error = handler_failure(request.method, exc)
             outcome = error.code
-            await self._send(identity, error_message(rid, error))
+            await self._replies.send(identity, error_message(rid, error))
         finally:
             call.outcome = outcome
 
@@ -366,39 +366,4 @@ class RpcServer:
         if call.task is not None:
             call.task.cancel()
         self._forget(key)
-        self._reply_error(key[0], key[1], error)
-
-    async def _send(self, identity: bytes, message: Message) -> None:
-        message.sender = self.node_id
-        frames = encode(message, self.config.wire)
-        if self._pump is not None:
-            nbytes = frames_nbytes(frames)
-            self.traffic.sent(nbytes)
-            await self._pump.send([identity, *frames])
-
-    def _reply_error(self, identity: bytes, rid: int, error: RpcError) -> None:
-        self._reply(identity, error_message(rid, error))
-
-    def _reply(self, identity: bytes, message: Message) -> None:
-        """Send ``message`` from the receive path: at once when zmq takes it, else in a task."""
-        if self._pump is None:
-            return
-        message.sender = self.node_id
-        try:
-            frames = encode(message, self.config.wire)
-        except WireError as exc:
-            error = HandlerFailed(f"reply could not be encoded: {exc}")
-            frames = encode(error_message(message.request_id, error), self.config.wire)
-        self.traffic.sent(frames_nbytes(frames))
-        frames.insert(0, identity)
-        if not self._pump.send_nowait(frames):
-            self._spawn(self._send_later(frames))
-
-    async def _send_later(self, frames: list) -> None:
-        with contextlib.suppress(ConnectionError):  # closed meanwhile: the caller times out
-            await self._pump.send(frames)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._replies.error(key[0], key[1], error)

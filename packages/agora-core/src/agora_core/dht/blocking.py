@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agora_core.dht.membership import Member
-from agora_core.dht.node import DhtNode, DhtValue
+from agora_core.dht.node import DhtNode
+from agora_core.dht.values import DhtValue
 from agora_core.identity import NodeKey
 
 

@@ -19,7 +19,6 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agora_core.auth.security import TransportSecurity
@@ -30,9 +29,10 @@ from agora_core.dht.gossip import Gossip
 from agora_core.dht.ids import closest, key_id
 from agora_core.dht.membership import GONE, Member, MemberTable, Status
 from agora_core.dht.node_metrics import DhtMetrics
-from agora_core.dht.records import DhtError, Record, RecordRejected, make_record, subkey_owner
+from agora_core.dht.records import DhtError, Record, RecordRejected, make_record
 from agora_core.dht.replication import Replication
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
+from agora_core.dht.values import DhtValue, visible
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
@@ -43,16 +43,6 @@ if TYPE_CHECKING:
     from agora_core.auth.peers import PeerVerifier
 
 log = get_logger("dht")
-
-
-@dataclass(frozen=True, slots=True)
-class DhtValue:
-    """What a get returns for one subkey."""
-
-    value: Any
-    expiration: float  # wall-clock seconds
-    owner: bytes | None  # public key of an owned subkey's writer
-    writer: bytes | None = None  # public key of whoever signed the record (None: unsigned)
 
 
 class DhtNode:
@@ -336,27 +326,19 @@ class DhtNode:
     async def _get_records(self, key: str) -> dict[str, Record]:
         return (await self.replication.read([key]))[key]
 
-    @staticmethod
-    def _visible(records: dict[str, Record]) -> dict[str, DhtValue]:
-        return {
-            subkey: DhtValue(record.decoded(), record.expiration, subkey_owner(subkey), record.writer)
-            for subkey, record in records.items()
-            if not record.is_tombstone
-        }
-
     async def get(self, key: str) -> dict[str, DhtValue]:
         """All unexpired subkeys of ``key`` (empty if none), newest copy of each."""
         started = time.perf_counter()
         records = await self._get_records(key)
         self.stats.observe("get", "ok", started)
-        return self._visible(records)
+        return visible(records)
 
     async def get_many(self, keys: Sequence[str]) -> dict[str, dict[str, DhtValue]]:
         """``get`` for many keys at once: one request per replica, all in parallel."""
         started = time.perf_counter()
         records = await self.replication.read(list(dict.fromkeys(keys)))
         self.stats.observe("get_many", "ok", started)
-        return {key: self._visible(subkeys) for key, subkeys in records.items()}
+        return {key: visible(subkeys) for key, subkeys in records.items()}
 
     async def watch(self, key: str, *, interval_s: float = 1.0) -> AsyncIterator[dict[str, DhtValue]]:
         """Yield ``key``'s subkeys now and whenever they change, polling every ``interval_s``.

@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agora_core.dht.node import DhtNode, DhtValue
+from agora_core.dht.node import DhtNode
 from agora_core.dht.records import owned_subkey
+from agora_core.dht.values import DhtValue
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 

@@ -107,6 +107,8 @@ class Swarm:
             str(samples),
             "--lanes",
             LANES,
+            "--microbatch",
+            "1",  # one sample a lane: few in flight (the main job's 2 are measured by efficiency.py)
             "--replicas",
             "2",
             "--no-monitor",  # tests/test_monitor_dashboard.py checks the monitor in a swarm

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A whole Agora run on this machine: DHT seed, workers and trainers, each its own process.
 
-    python tools/swarm.py up [--config examples/tiny.toml] [--replicas 2] [--trainers 1] [--lanes 8]
+    python tools/swarm.py up [--config examples/tiny.toml] [--replicas 2] [--trainers 1] [--lanes 4] [--microbatch 2]
                              [--samples N] [--duration S] [--run-dir DIR] [--open]
     python tools/swarm.py status [--run-dir DIR]               # its processes, authorizer, DHT
     python tools/swarm.py kill-worker STAGE [--run-dir DIR]    # SIGKILL one worker of STAGE
@@ -156,7 +156,8 @@ run_dir_option = click.option(
 )
 @click.option("--replicas", type=int, default=2, show_default=True, help="Workers per stage.")
 @click.option("--trainers", type=int, default=1, show_default=True, help="Trainer processes.")
-@click.option("--lanes", type=int, default=4, show_default=True, help="Samples in flight per trainer.")
+@click.option("--lanes", type=int, default=4, show_default=True, help="Microbatches in flight per trainer.")
+@click.option("--microbatch", type=int, default=2, show_default=True, help="Samples a lane sends at once.")
 @click.option("--samples", type=int, help="Samples per trainer; the swarm stops when they are done.")
 @click.option("--duration", type=float, help="Stop after this many seconds.")
 @click.option(
@@ -203,6 +204,7 @@ def up(
     replicas,
     trainers,
     lanes,
+    microbatch,
     samples,
     duration,
     status_interval,
@@ -218,8 +220,8 @@ def up(
     """Start a swarm and watch it train until it is done, --duration passes, or Ctrl-C."""
     configure_logging(fmt="console", level="warning")  # this process's own DHT member: quiet
     run = load_run_config(config)
-    if replicas < 1 or trainers < 1 or lanes < 1:
-        raise click.BadParameter("--replicas, --trainers and --lanes must be >= 1")
+    if replicas < 1 or trainers < 1 or lanes < 1 or microbatch < 1:
+        raise click.BadParameter("--replicas, --trainers, --lanes and --microbatch must be >= 1")
     shards = shards or default_shards_dir(run.data)
     ensure_shards(shards, config, (samples or 1) * trainers)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,7 +255,7 @@ def up(
     try:
         start_seed(swarm)
         click.echo(
-            f"run {run.name!r}: {run.model.n_stages} stages x {replicas} workers, {trainers} x {lanes} lanes"
+            f"run {run.name!r}: {run.model.n_stages} stages x {replicas} workers, {trainers} x {lanes} lanes x {microbatch} samples"
         )
         click.echo(f"  dht seed   {swarm.seed_address}   logs in {run_dir / 'logs'}")
         if swarm.authorized:
@@ -285,6 +287,7 @@ def up(
                 shards,
                 shard_ranges=trainer_ranges(shards, t, trainers),
                 lanes=lanes,
+                microbatch=microbatch,
                 samples=samples,
                 status_interval_s=status_interval,
                 extra=trainer_args,

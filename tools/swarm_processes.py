@@ -280,6 +280,7 @@ def start_trainer(
     lanes: int,
     samples: int | None,
     status_interval_s: float,
+    microbatch: int = 1,
     shard_ranges: str | None = None,
     extra: tuple[str, ...] = (),
 ) -> subprocess.Popen:
@@ -304,6 +305,8 @@ def start_trainer(
         str(run_dir / "keys" / f"{name}.key"),
         "--lanes",
         str(lanes),
+        "--microbatch",
+        str(microbatch),
         "--loss-log",
         str(run_dir / f"{name}.losses.jsonl"),
         "--progress-interval",

@@ -10,7 +10,9 @@ from agora_core.schema import WorkerAnnouncement
 from agora_trainer.balancer import StageBalancer
 
 
-def announce(node_id: str, *, phase: str = "serving", throughput: float = 0.0, stage: int = 1):
+def announce(
+    node_id: str, *, phase: str = "serving", throughput: float = 0.0, stage: int = 1, max_batch: int = 8
+):
     return WorkerAnnouncement(
         node_id=node_id,
         address=f"tcp://127.0.0.1:{abs(hash(node_id)) % 60000}",
@@ -18,7 +20,7 @@ def announce(node_id: str, *, phase: str = "serving", throughput: float = 0.0, s
         phase=phase,
         throughput=throughput,
         load=0,
-        max_batch=8,
+        max_batch=max_batch,
         version="t",
     )
 
@@ -129,3 +131,17 @@ def test_announcements_for_other_stages_are_ignored_and_moves_are_followed():
     moved = WorkerAnnouncement(**{**announce("a").to_value(), "address": "tcp://127.0.0.1:9"})
     balancer.update([moved])
     assert balancer.choose().address == "tcp://127.0.0.1:9"
+
+
+def test_a_microbatch_goes_only_to_a_worker_that_takes_that_many_samples_at_once():
+    balancer = StageBalancer(1)
+    balancer.update([announce("small", max_batch=2), announce("large", max_batch=8)])
+    assert balancer.largest_batch() == 8
+    chosen = collections.Counter(balancer.choose(4).node_id for _ in range(20))
+    assert chosen == {"large": 20}  # never the one whose input check would refuse 4 samples
+    assert balancer.choose(2).node_id == "small"  # it takes 2, and it is the less loaded now
+    assert balancer.choose(16) is None  # nobody takes 16: the trainer's lanes take fewer
+    balancer.update([announce("small", max_batch=2), announce("large", max_batch=4)])  # restarted
+    assert balancer.largest_batch() == 4 and balancer.choose(8) is None
+    balancer.update([])
+    assert balancer.largest_batch() is None

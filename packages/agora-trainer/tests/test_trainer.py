@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,35 @@ async def test_every_backward_goes_to_the_worker_that_ran_its_forward(swarm, tmp
         done = await swarm.served(member)
         forwards, backwards = done["forward"] - was["forward"], done["backward"] - was["backward"]
         assert forwards == backwards > 0, (member.stage, member.delay_scale, forwards, backwards)
+
+
+async def test_a_lane_carries_its_microbatch_through_every_stage_in_one_request_per_hop(swarm, tmp_path):
+    members = [m for stage in range(3) for m in by_stage(swarm, stage)]
+    before = [await swarm.served(m) for m in members]
+    losses = tmp_path / "losses.jsonl"
+    trainer = swarm.trainer(
+        lanes=2, microbatch=4, max_samples=62, state_file=str(tmp_path / "run.json"), loss_log=str(losses)
+    )
+    counters = await train_to_the_end(trainer)
+    assert counters.completed == 62 and counters.retries == 0 and trainer.abandoned == 0
+    logged = [json.loads(line)["id"] for line in losses.read_text().splitlines()]
+    assert sorted(logged) == sorted(set(trainer.completed_ids)) and len(logged) == 62  # each its own loss
+    for stage, method in ((0, "forward"), (1, "forward"), (2, "forward_backward"), (0, "backward")):
+        calls = trainer.metrics.sample_value(
+            "agora_trainer_hop_seconds_count", {"to_stage": str(stage), "method": method}
+        )
+        assert calls == 16, (stage, method, calls)  # 15 microbatches of 4 and the last 2 samples
+    after = [await swarm.served(m) for m in members]
+    for member, was, done in zip(members, before, after, strict=True):
+        ops = ("forward_backward",) if member.stage == 2 else ("forward", "backward")
+        moved = [done[op] - was[op] for op in ops]
+        assert all(n % 2 == 0 for n in moved), (member.stage, moved)  # samples travel in fours and a pair
+    moved_1 = [
+        done["forward"] - was["forward"]
+        for m, was, done in zip(members, before, after, strict=True)
+        if m.stage == 1
+    ]
+    assert sum(moved_1) == 62  # every sample once through stage 1
 
 
 def lane_busy_with(trainer: Trainer, worker: Member, method: str) -> bool:

@@ -37,6 +37,7 @@ class WorkerRef:
     node_id: str
     address: str
     stage: int
+    max_batch: int = 1 << 30  # the most samples one request to it may carry (its announcement)
 
 
 @dataclass(eq=False)
@@ -90,16 +91,21 @@ class StageBalancer:
             entry = self._entries.get(ann.node_id)
             if entry is None:
                 level = max((e.vruntime for e in self._entries.values()), default=0.0)
-                entry = _Entry(
-                    WorkerRef(ann.node_id, ann.address, self.stage), level, ann.throughput or self._typical()
-                )
+                entry = _Entry(self._ref(ann), level, ann.throughput or self._typical())
                 self._entries[ann.node_id] = entry
                 self._push(entry)
-            elif entry.ref.address != ann.address:  # restarted elsewhere: same identity, new address
-                entry.ref = WorkerRef(ann.node_id, ann.address, self.stage)
+            elif (entry.ref.address, entry.ref.max_batch) != (ann.address, ann.max_batch):
+                entry.ref = self._ref(ann)  # restarted: same identity, new address or limit
             entry.phase = ann.phase
         for node_id in [n for n in self._entries if n not in seen]:
             del self._entries[node_id]  # its heap entries go stale and are skipped
+
+    def _ref(self, ann: WorkerAnnouncement) -> WorkerRef:
+        return WorkerRef(ann.node_id, ann.address, self.stage, ann.max_batch)
+
+    def largest_batch(self) -> int | None:
+        """The most samples a request may carry to some usable worker now (None: no worker)."""
+        return max((ref.max_batch for ref in self.workers), default=None)
 
     def _typical(self) -> float:
         known = [e.throughput for e in self._entries.values() if e.measured]
@@ -130,7 +136,8 @@ class StageBalancer:
     # --- dispatch ----------------------------------------------------------------------------
 
     def choose(self, samples: int = 1, exclude: frozenset[str] = frozenset()) -> WorkerRef | None:
-        """The least-loaded usable worker, charged ``samples`` up front; None if there is none."""
+        """The least-loaded usable worker that takes ``samples`` in one request, charged them up
+        front; None if there is none."""
         now = time.monotonic()
         skipped: list[tuple[float, int, str]] = []
         chosen = None
@@ -139,7 +146,8 @@ class StageBalancer:
             entry = self._entries.get(item[2])
             if entry is None or entry.seq != item[1]:
                 continue  # stale: the worker left, or it was re-pushed since
-            if not self.usable(entry.ref.node_id, now) or entry.ref.node_id in exclude:
+            ref = entry.ref
+            if not self.usable(ref.node_id, now) or ref.node_id in exclude or ref.max_batch < samples:
                 skipped.append(item)
                 continue
             chosen = entry
@@ -147,7 +155,7 @@ class StageBalancer:
         for item in skipped:
             heapq.heappush(self._heap, item)
         if chosen is None:
-            chosen = self._probe(now, exclude)
+            chosen = self._probe(now, exclude, samples)
         if chosen is None:
             return None
         chosen.vruntime += samples / chosen.throughput
@@ -155,13 +163,16 @@ class StageBalancer:
         self._push(chosen)
         return chosen.ref
 
-    def _probe(self, now: float, exclude: frozenset[str]) -> _Entry | None:
+    def _probe(self, now: float, exclude: frozenset[str], samples: int) -> _Entry | None:
         """No worker is usable: the banned one that failed longest ago, if that was at least
         ``probe_s`` ago (then it counts as probed now), else None."""
         banned = [
             e
             for node_id, e in self._entries.items()
-            if node_id not in exclude and self.visible(node_id) and e.banned_until > now
+            if node_id not in exclude
+            and self.visible(node_id)
+            and e.banned_until > now
+            and e.ref.max_batch >= samples
         ]
         entry = min(banned, key=lambda e: e.failed_at, default=None)
         if entry is None or now - entry.failed_at < self.probe_s:

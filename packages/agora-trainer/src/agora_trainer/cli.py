@@ -76,7 +76,8 @@ async def _run(trainer: Trainer, node: NodeSettings, status_interval_s: float) -
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    click.echo(f"agora-trainer {__version__}: run {trainer.run.name!r}, {len(trainer.lanes)} lanes")
+    lanes = f"{len(trainer.lanes)} lanes x {trainer.settings.microbatch} samples"
+    click.echo(f"agora-trainer {__version__}: run {trainer.run.name!r}, {lanes}")
     click.echo(f"  node id    {trainer.key.node_id}")
     _echo(f"  shards     {trainer.cursor.total} samples, {trainer.cursor.done} done before")
     for line in exposure.describe():
@@ -142,7 +143,12 @@ async def _follow(trainer: Trainer, training: asyncio.Task, status_interval_s: f
     "--shards", "shards_dir", required=True, type=click.Path(file_okay=False), help="Folder of data shards."
 )
 @node_options
-@click.option("--lanes", type=int, help="Samples in flight at once (default 8).")
+@click.option("--lanes", type=int, help="Microbatches in flight at once (default 8).")
+@click.option(
+    "--microbatch",
+    type=int,
+    help="Samples a lane sends through the pipeline together, one request per hop (default 1).",
+)
 @click.option("--max-samples", type=int, help="Stop after completing this many samples.")
 @click.option(
     "--state-file", help="Where the position in the shards is kept (default: in the shards folder)."

@@ -1,4 +1,7 @@
-"""One sample's trip through the pipeline: forward head to tail, then backward, pinned.
+"""One microbatch's trip through the pipeline: forward head to tail, then backward, pinned.
+
+A lane's microbatch is one sample or several, sent together: every hop is one request for all
+of them, and the tail returns each sample's own loss.
 
 Forward: at each stage the balancer picks a worker; the trainer sends it the tokens and the
 previous stage's boundary and keeps what it sent. The tail runs ``forward_backward`` and
@@ -100,6 +103,7 @@ class PipelineRouter:
         self, lane: LaneState, stage: int, method: str, tensors: dict, pinned: WorkerRef | None = None
     ) -> tuple[WorkerRef, Payload]:
         balancer = self._balancers[stage]
+        samples = tensors["tokens"].shape[0]
         tried: set[str] = set()
         waited_until = time.monotonic() + self._config.wait_for_worker_s
         attempts = 0
@@ -113,9 +117,9 @@ class PipelineRouter:
                 worker, pinned = pinned, None  # first choice for a backward; failover after
             else:
                 pinned = None
-                worker = balancer.choose(1, exclude=frozenset(tried))
+                worker = balancer.choose(samples, exclude=frozenset(tried))
                 if worker is None and tried:
-                    worker = balancer.choose(1)  # every worker failed once: try them again
+                    worker = balancer.choose(samples)  # every worker failed once: try them again
                 if worker is None:
                     if time.monotonic() > waited_until:
                         raise SampleFailed(
@@ -154,15 +158,15 @@ class PipelineRouter:
             elapsed = time.perf_counter() - started
             if self.slowdown.factor != 1.0:
                 await asyncio.sleep(self.slowdown.extra_s(elapsed))
-            balancer.complete(token, 1, elapsed)
+            balancer.complete(token, samples, elapsed)
             self._m_hop.labels(to_stage=str(stage), method=method).observe(elapsed)
             return worker, reply
         raise SampleFailed(f"stage {stage} {method}: {attempts} attempts failed")
 
-    async def run(self, tokens: np.ndarray, lane: LaneState) -> float:
-        """Train on one sample (``seq_len + 1`` token ids); returns its loss."""
-        inputs = tokens[None, :-1].astype(np.int32)  # (1, T)
-        labels = tokens[None, 1:].astype(np.int32)  # (1, T)
+    async def run(self, tokens: np.ndarray, lane: LaneState) -> np.ndarray:
+        """Train on a microbatch (B, ``seq_len + 1``) of token ids; returns its losses (B,)."""
+        inputs = tokens[:, :-1].astype(np.int32)  # (B, T)
+        labels = tokens[:, 1:].astype(np.int32)  # (B, T)
         hops: list[tuple[WorkerRef, np.ndarray | None]] = []  # per stage: worker, input it got
         boundary = None
         for stage in range(self.stages - 1):
@@ -176,7 +180,11 @@ class PipelineRouter:
         _worker, reply = await self._call(
             lane, tail, Method.FORWARD_BACKWARD, {"tokens": inputs, "boundary": boundary, "labels": labels}
         )
-        loss = float(reply.tensors["loss"][0])
+        losses = np.asarray(reply.tensors["loss"], dtype=np.float64)
+        if losses.shape != (tokens.shape[0],):
+            raise SampleFailed(
+                f"the tail returned losses of shape {losses.shape} for {tokens.shape[0]} samples"
+            )
         grad = reply.tensors["grad"]
         for stage in range(self.stages - 2, -1, -1):
             forward_worker, sent = hops[stage]
@@ -194,4 +202,4 @@ class PipelineRouter:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")
         lane.stage = -1
-        return loss
+        return losses

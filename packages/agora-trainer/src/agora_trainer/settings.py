@@ -10,7 +10,11 @@ from agora_trainer.rotation_record import parse_ranges
 
 @dataclass(kw_only=True, frozen=True)
 class TrainerSettings:
-    lanes: int = 8  # samples in flight at once (each lane is one of the paper's trainers)
+    lanes: int = 8  # microbatches in flight at once (each lane is one of the paper's trainers)
+    # Samples a lane carries through the pipeline together: one request per hop for all of
+    # them, so the per-message cost (encode, send, decode, queue, wake-up) is paid once for the
+    # lot, and each worker computes them as one batch even where few lanes meet in its queue.
+    microbatch: int = 1
     max_samples: int | None = None  # stop after completing this many (None: run the shards out)
     refresh_interval_s: float = 5.0  # how often worker lists are re-read from the DHT
     ban_s: float = 10.0  # a worker whose call failed is skipped this long
@@ -30,6 +34,7 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         require(self.lanes >= 1, "lanes", "must be >= 1")
+        require(self.microbatch >= 1, "microbatch", "must be >= 1")
         require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
         for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s"):
             require(getattr(self, name) > 0, name, "must be positive")

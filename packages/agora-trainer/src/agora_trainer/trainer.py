@@ -1,4 +1,4 @@
-"""A trainer: many lanes, each keeping one sample in flight through the swarm's pipeline.
+"""A trainer: many lanes, each keeping one microbatch in flight through the swarm's pipeline.
 
 The trainer holds no parameters. It joins the run's DHT, learns each stage's workers from
 their announcements, and runs ``lanes`` concurrent sample loops over its shards until they
@@ -16,6 +16,8 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.admission.revocations import parse_revocations, revocations_key
@@ -288,26 +290,43 @@ class Trainer:
             self.counters.dispatched += 1
         return sample
 
-    async def _lane(self, state: LaneState) -> None:
-        while True:
+    def _take(self) -> list[Sample]:
+        """A lane's next microbatch: up to ``microbatch`` samples, fewer where the shards, the
+        limit or a stage's workers take fewer now; each counts in flight once taken."""
+        most = self.settings.microbatch
+        for balancer in self.balancers:
+            largest = balancer.largest_batch()
+            most = most if largest is None else min(most, largest)
+        taken: list[Sample] = []
+        while len(taken) < most:
             sample = self._next_sample()
             if sample is None:
+                break
+            taken.append(sample)
+            self.counters.in_flight += 1
+        return taken
+
+    async def _lane(self, state: LaneState) -> None:
+        while True:
+            samples = self._take()
+            if not samples:
                 if self._stopping or self._limit_reached() or self.cursor.finished:
                     return
                 # Nothing to take now: samples in flight on other lanes may come back, or a
                 # shard is on its way (handed over, or the claims of a new epoch not read yet).
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
-            self.counters.in_flight += 1
             try:
-                loss = await self.router.run(sample.tokens, state)
+                losses = await self.router.run(np.stack([sample.tokens for sample in samples]), state)
             except (SampleFailed, BadRequest) as exc:
-                self._sample_failed(sample, exc)
+                for sample in samples:  # a microbatch fails whole: each sample is requeued or abandoned
+                    self._sample_failed(sample, exc)
                 continue
             finally:
-                self.counters.in_flight -= 1
+                self.counters.in_flight -= len(samples)
                 state.stage = -1
-            self._sample_done(sample, loss)
+            for sample, loss in zip(samples, losses, strict=True):
+                self._sample_done(sample, float(loss))
 
     def _sample_done(self, sample: Sample, loss: float) -> None:
         # Saved with every completion: a trainer that crashes (an injected exit, a kill) and

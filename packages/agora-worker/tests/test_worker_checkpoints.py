@@ -214,6 +214,14 @@ def test_a_killed_worker_restarted_with_resume_continues_from_its_checkpoint(tmp
             )
             live_at_4 = parameters(address)
             train_one_step(address, 5)  # past the checkpoint: this step is lost with the process
+
+            def reported() -> list[int]:
+                found = parse_entries(seed.get(stage_progress_key(run.name, 0)), StageProgress.from_value)
+                return [r.step for r in found]
+
+            # The report of step 5 goes out just after the step: killed before it lands, the
+            # worker would leave step 4's, and the check below would test nothing.
+            wait_until(lambda: reported() == [5], what="the report of step 5 in the DHT", every_s=0.05)
             first.kill()
 
         saved = CheckpointStore(checkpoints, run=run, stage=0, keep=2).newest_valid()
@@ -222,8 +230,7 @@ def test_a_killed_worker_restarted_with_resume_continues_from_its_checkpoint(tmp
 
         # The dead worker's report (step 5) is still in the DHT: the restarted one, with the same
         # key, must not take it for the stage being ahead of it.
-        found = parse_entries(seed.get(stage_progress_key(run.name, 0)), StageProgress.from_value)
-        assert [r.step for r in found] == [5]
+        assert reported() == [5]
 
         with spawn_python([*command, "--resume"]) as second:
             address = second.read_until("  serving    ", timeout_s=STARTUP_S)

@@ -294,7 +294,7 @@ class Trainer:
         """A lane's next microbatch: up to ``microbatch`` samples, fewer where the shards, the
         limit or a stage's workers take fewer now; each counts in flight once taken."""
         most = self.settings.microbatch
-        for balancer in self.balancers:
+        for balancer in self.balancers if most > 1 else ():  # any worker takes one sample
             largest = balancer.largest_batch()
             most = most if largest is None else min(most, largest)
         taken: list[Sample] = []

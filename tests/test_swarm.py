@@ -62,9 +62,9 @@ def test_the_swarm_trains_like_the_centralized_reference(tmp_path, swarm_config,
     # Measured: +2.5 % while samples came in shard order (runs of one file's code: hard for
     # both sides); shuffled by data.shuffle_seed, where the reference learns faster from varied
     # samples than two sparsely averaged replicas per stage do in 1024 samples, +6.1 % to +7.4 %
-    # at the code of 2026-12-01/02 and +8.0 % to +8.4 % on 2026-12-03's main (five runs each, on
-    # one machine): the spread of one run is about a point, so the bound sits two above the
-    # highest (issue 19 measures the loss ratio over longer runs: benchmarks/efficiency.py).
+    # at four commits of 2026-12-01/02 (two runs each) and +8.0 % to +8.4 % on 2026-12-03's main
+    # (four runs), all on one machine: the spread of one run is about a point, so the bound sits
+    # two above the highest (issue 19 measures the loss ratio over longer runs: benchmarks/efficiency.py).
     assert abs(gap) <= 0.10
     assert ours[window].mean() < ours[:64].mean() - LEARNED_NATS  # it learned
     # The model came out (exported from the workers' last checkpoints) and scores on the

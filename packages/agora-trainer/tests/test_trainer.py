@@ -223,10 +223,6 @@ async def test_a_lane_carries_its_microbatch_through_every_stage_in_one_request_
         )
         assert calls == 16, (stage, method, calls)  # 15 microbatches of 4 and the last 2 samples
     after = [await swarm.served(m) for m in members]
-    for member, was, done in zip(members, before, after, strict=True):
-        ops = ("forward_backward",) if member.stage == 2 else ("forward", "backward")
-        moved = [done[op] - was[op] for op in ops]
-        assert all(n % 2 == 0 for n in moved), (member.stage, moved)  # samples travel in fours and a pair
     moved_1 = [
         done["forward"] - was["forward"]
         for m, was, done in zip(members, before, after, strict=True)

@@ -37,7 +37,7 @@ class WorkerRef:
     node_id: str
     address: str
     stage: int
-    max_batch: int = 1 << 30  # the most samples one request to it may carry (its announcement)
+    max_batch: int  # the most samples one request to it may carry (its announcement)
 
 
 @dataclass(eq=False)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agora_core import world
 from agora_core.logs import get_logger
 
 log = get_logger("linkemu")
@@ -124,7 +123,7 @@ class DelayLine:
         self._queue.clear()
 
     def put(self, item: Any, nbytes: int) -> None:
-        self._queue.append((self._pipe.arrival_time(nbytes, time.monotonic()), item))
+        self._queue.append((self._pipe.arrival_time(nbytes, world.monotonic()), item))
         self._wakeup.set()
 
     async def _pump(self) -> None:
@@ -134,7 +133,7 @@ class DelayLine:
                 await self._wakeup.wait()
                 continue
             arrival, item = self._queue[0]
-            wait = arrival - time.monotonic()
+            wait = arrival - world.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             self._queue.popleft()
@@ -151,7 +150,7 @@ class LinkEmulator:
 
     def __init__(self, config: LinkConfig):
         self.config = config
-        rng = random.Random(config.seed)
+        rng = world.rng(config.seed)
         self._up = _Pipe(config.up_bits_per_s, config.latency_s, config.jitter_s, rng)
         self._down = _Pipe(config.down_bits_per_s, config.latency_s, config.jitter_s, rng)
 

@@ -10,10 +10,10 @@ waits on the authorizer.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agora_core import world
 from agora_core.admission.signed import SignedMessage, decode_map, sign_map, verified_map
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey, node_id_from_public_key
@@ -60,7 +60,7 @@ class Credential:
         return self.issued + REFRESH_AT * self.lifetime_s
 
     def remaining_s(self, now: float | None = None) -> float:
-        return self.expires - (time.time() if now is None else now)
+        return self.expires - (world.wall() if now is None else now)
 
     def to_fields(self) -> dict:
         fields = asdict(self)
@@ -141,7 +141,7 @@ def verify_credential(
         raise CredentialError("other_run", f"the credential is for run {credential.run!r}, not {run!r}")
     if public_key is not None and credential.public_key != public_key:
         raise CredentialError("wrong_key", "the credential was issued to another key")
-    now = time.time() if now is None else now
+    now = world.wall() if now is None else now
     if now > credential.expires + max_clock_skew_s:
         raise CredentialError("expired", f"the credential expired {now - credential.expires:.0f} s ago")
     if now < credential.issued - max_clock_skew_s:

@@ -9,11 +9,11 @@ report's overlap of queueing and download).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agora_core import world
 from agora_core.admission.credential import CredentialError, SignedCredential, verify_credential
 from agora_core.admission.join_request import JoinRequest, sign_join_request
 from agora_core.contract import Method
@@ -128,7 +128,7 @@ class Admission:
         every answer, the first included. Transport errors while queued are retried."""
         if self.last is None:
             raise RuntimeError("wait() before submit()")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else world.monotonic() + timeout_s
         status = self.last
         while True:
             if on_status is not None:
@@ -137,7 +137,7 @@ class Admission:
                 raise AdmissionRefused(status.reason, status.detail)
             if status.status == "admitted":
                 return status
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and world.monotonic() >= deadline:
                 raise AdmissionRefused(
                     "timeout", f"still queued at position {status.position} after {timeout_s:g} s"
                 )

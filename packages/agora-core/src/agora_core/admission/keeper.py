@@ -10,9 +10,9 @@ serving. A node never serves on an expired credential.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
+from agora_core import world
 from agora_core.admission.credential import SignedCredential
 from agora_core.admission.join_client import AdmissionRefused, parse_status
 from agora_core.admission.join_request import RefreshRequest, sign_refresh_request
@@ -90,7 +90,7 @@ class CredentialKeeper:
         """Refresh until the credential is lost (returns then) or the task is cancelled."""
         while True:
             credential = self.current.credential
-            await asyncio.sleep(max(0.0, credential.refresh_at - time.time()))
+            await asyncio.sleep(max(0.0, credential.refresh_at - world.wall()))
             while True:
                 remaining = credential.remaining_s()
                 if remaining <= 0:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from agora_core import world
 from agora_core.admission.answerer import DialBackAnswerer
 from agora_core.admission.credential import SignedCredential
 from agora_core.admission.join_client import Admission, AdmissionRefused, JoinStatus
@@ -326,7 +326,7 @@ class NodeAdmission:
             "serial": None if current is None else current.serial,
             "issued": None if current is None else current.issued,
             "expires": None if current is None else current.expires,
-            "expires_in_s": None if current is None else round(current.expires - time.time(), 1),
+            "expires_in_s": None if current is None else round(current.expires - world.wall(), 1),
             "refreshes": 0 if self.keeper is None else self.keeper.refreshes,
             "refresh_failures": 0 if self.keeper is None else self.keeper.failures,
             "valid": self.valid,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import collections
 import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from agora_core import world
 from agora_core.admission.credential import CredentialError, SignedCredential, verify_credential
 from agora_core.admission.signed import SignedMessage
 from agora_core.auth.peer_identity import AUTHORIZER_ROLE, PeerIdentity
@@ -53,7 +53,7 @@ class PeerVerifier:
             return self.authorizer
         if credential is None:
             raise CredentialError("missing", "no credential: this run admits credentialed nodes only")
-        now = time.time() if now is None else now
+        now = world.wall() if now is None else now
         signed = self._verify(credential, now)
         found = signed.credential
         if found.public_key != public_key:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from agora_core import world
 from agora_core.addresses import normalize_address
 from agora_core.admission.credential import CredentialError
 from agora_core.auth.curve import curve_keypair, curve_public_key
@@ -88,7 +89,7 @@ class TransportSecurity:
     def admits(self, client_key: bytes) -> bool:
         """The ZAP policy (on the ZAP thread): refuse keys refused or revoked lately."""
         until = self._refused.get(client_key)
-        return until is None or until < time.monotonic()
+        return until is None or until < world.monotonic()
 
     def caller(self, user_id: str | None, now: float) -> PeerIdentity | None:
         """Who sent a message on the connection of ``user_id``: None when it never presented
@@ -128,7 +129,7 @@ class TransportSecurity:
         except Unauthenticated as exc:
             if len(self._refused) >= REFUSED_KEYS:
                 self.forget_refusals()  # those refused long enough ago
-            self._refused[bytes.fromhex(user_id)] = time.monotonic() + self.refused_for_s
+            self._refused[bytes.fromhex(user_id)] = world.monotonic() + self.refused_for_s
             log.info("peer_refused", key=user_id[:16], reason=str(exc))
             raise
         return self.hello()
@@ -220,7 +221,7 @@ class TransportSecurity:
 
     def forget_refusals(self, now: float | None = None) -> None:
         """Drop the refused keys whose refusal has run out (revoked ones stay)."""
-        now = time.monotonic() if now is None else now
+        now = world.monotonic() if now is None else now
         for key, until in list(self._refused.items()):
             if until < now:
                 del self._refused[key]

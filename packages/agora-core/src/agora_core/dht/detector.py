@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable
 
+from agora_core import world
 from agora_core.dht.membership import GONE, Member, MemberTable, Status
 
 MAX_URGENT = 8  # out-of-turn probes in flight at once
@@ -44,10 +44,10 @@ class FailureDetector:
         self._indirect = indirect_probes
         self._ping = ping
         self._ping_through = ping_through
-        self._rng = rng or random.Random()
+        self._rng = rng or world.rng()
         self._order: list[str] = []
         self._urgent: set[str] = set()  # members being probed out of turn
-        self._urgent_at: dict[str, float] = {}  # node id -> time.monotonic() of its last one
+        self._urgent_at: dict[str, float] = {}  # node id -> world.monotonic() of its last one
         self._suspects: list[str] = []  # this pass's order of suspects to ping again
         self.probes = 0
         self.failed_probes = 0
@@ -78,7 +78,7 @@ class FailureDetector:
         reported it): at most once a period per member and ``MAX_URGENT`` at a time."""
         if member.status != Status.ALIVE or member is self._table.me or len(self._urgent) >= MAX_URGENT:
             return
-        now = time.monotonic()
+        now = world.monotonic()
         if member.node_id in self._urgent or now - self._urgent_at.get(member.node_id, -1e9) < self._period_s:
             return
         if len(self._urgent_at) > 4 * MAX_URGENT:
@@ -99,12 +99,12 @@ class FailureDetector:
 
     async def _probe(self, target: Member) -> None:
         self.probes += 1
-        deadline = time.monotonic() + self._period_s
+        deadline = world.monotonic() + self._period_s
         if await self._ping(target, self._probe_timeout_s):
             return
         helpers = [m for m in self._table.others() if m.node_id != target.node_id]
         helpers = self._rng.sample(helpers, min(self._indirect, len(helpers)))
-        remaining = deadline - time.monotonic()
+        remaining = deadline - world.monotonic()
         if helpers and remaining > 0:
             answers = await asyncio.gather(*(self._ping_through(h, target, remaining) for h in helpers))
             if any(answers):
@@ -114,13 +114,13 @@ class FailureDetector:
 
     async def run(self) -> None:
         """Probe once per period at a fixed cadence, and age suspicions, until cancelled."""
-        next_tick = time.monotonic()
+        next_tick = world.monotonic()
         while True:
             next_tick += self._period_s
             await asyncio.gather(self.probe_once(), self.recheck_suspect())
             self._table.expire()
-            delay = next_tick - time.monotonic()
+            delay = next_tick - world.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             else:
-                next_tick = time.monotonic()  # overran (a slow period): do not try to catch up
+                next_tick = world.monotonic()  # overran (a slow period): do not try to catch up

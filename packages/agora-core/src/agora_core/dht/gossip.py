@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agora_core import world
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht import member_list
@@ -120,12 +120,12 @@ class Gossip:
         targets = [a for a in bootstrap if a != self.table.me.address]
         if not targets:
             return  # the first node of a swarm
-        deadline = time.monotonic() + self.config.join_timeout_s
+        deadline = world.monotonic() + self.config.join_timeout_s
         errors: dict[str, str] = {}
-        while time.monotonic() < deadline:
+        while world.monotonic() < deadline:
             if await self._join_once(targets, self.config.op_timeout_s, errors):
                 return
-            await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(self.config.gossip_period_s, max(0.0, deadline - world.monotonic())))
         raise DhtError(f"could not join through any of {targets}: {errors}")
 
     async def _join_once(self, targets: Sequence[str], timeout_s: float, errors: dict[str, str]) -> bool:

@@ -43,7 +43,7 @@ class Member:
     status: Status
     signature: bytes | None = None  # the member's own, over its ALIVE (or LEFT) claim
     credential: Any = None  # the signed credential value its claim names (authorized runs)
-    changed_at: float = 0.0  # time.monotonic() of the last status change (suspicion timers)
+    changed_at: float = 0.0  # world.monotonic() of the last status change (suspicion timers)
     identity: PeerIdentity | None = field(default=None, repr=False)  # from its credential
     expires: float = math.inf  # wall-clock seconds its credential stops counting
     revoked: bool = False

@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from agora_core import world
 from agora_core.dht.member import (
     GONE,
     HINTS,
@@ -76,7 +76,7 @@ class MemberTable:
         self.claims = claims
         self._members: dict[str, Member] = {}
         self._suspicion_timeout_s = suspicion_timeout_s
-        self._refuted_at = -math.inf  # time.monotonic() of the last refutation
+        self._refuted_at = -math.inf  # world.monotonic() of the last refutation
         self._tombstone_s = tombstone_s
         self._retransmit_mult = retransmit_mult
         self._on_change = on_change or (lambda: None)
@@ -136,7 +136,7 @@ class MemberTable:
         if update.node_id == self.me.node_id:
             self._about_me(update)
             return False
-        now = time.monotonic() if now is None else now
+        now = world.monotonic() if now is None else now
         old = self._members.get(update.node_id)
         if old is None:
             return self._enter(update, now, budget)
@@ -196,7 +196,7 @@ class MemberTable:
         # At most one refutation per fifth of the suspicion timeout: anyone who knows my
         # incarnation could report me at it over and over, each costing a signature here and
         # a check everywhere. A genuine suspecter keeps saying so, and is answered in time.
-        now = time.monotonic()
+        now = world.monotonic()
         if now - self._refuted_at < self._suspicion_timeout_s / 5:
             return
         self._refuted_at = now
@@ -247,13 +247,13 @@ class MemberTable:
         member = self._members.get(node_id)
         if member is None or member.status != Status.ALIVE:
             return False
-        self._set_status(member, Status.SUSPECT, time.monotonic() if now is None else now)
+        self._set_status(member, Status.SUSPECT, world.monotonic() if now is None else now)
         return True
 
     def drop(self, predicate: Callable[[Member], bool], *, revoked: bool = False) -> int:
         """Take members ``predicate`` picks out of the live view (their credential stopped
         counting); a later claim with a valid credential brings one back. Returns how many."""
-        now = time.monotonic()
+        now = world.monotonic()
         count = 0
         for member in list(self._members.values()):
             if member.status not in GONE and predicate(member):
@@ -275,8 +275,8 @@ class MemberTable:
     def expire(self, now: float | None = None, wall_now: float | None = None) -> None:
         """Declare members suspected for too long dead; drop those whose credential expired;
         forget old tombstones."""
-        now = time.monotonic() if now is None else now
-        wall_now = time.time() if wall_now is None else wall_now
+        now = world.monotonic() if now is None else now
+        wall_now = world.wall() if wall_now is None else wall_now
         self.drop(lambda m: m.expires <= wall_now)
         for member in list(self._members.values()):
             age = now - member.changed_at

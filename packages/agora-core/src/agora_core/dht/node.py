@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from agora_core import world
 from agora_core.auth.security import TransportSecurity
 from agora_core.config.run import DhtConfig
 from agora_core.dht.claims import Claims
@@ -79,7 +79,7 @@ class DhtNode:
         self.config = config or DhtConfig()
         self._bootstrap = list(bootstrap)
         self._advertise = advertise
-        self._rng = random.Random(seed)
+        self._rng = world.rng(seed)
         self.metrics = metrics or NodeMetrics(role="dht", instance=self.node_id[:12])
         self._owns_rpc = server is None
         self.server = server or RpcServer(
@@ -142,7 +142,7 @@ class DhtNode:
         self.address = self._advertise or self.server.address
         # Incarnations start at wall-clock milliseconds: a restarted node outranks its past.
         me = Member(
-            self.node_id, self.address, self.key.public_key, time.time_ns() // 1_000_000, Status.ALIVE
+            self.node_id, self.address, self.key.public_key, world.wall_ns() // 1_000_000, Status.ALIVE
         )
         self.gossip = Gossip(
             me,
@@ -305,13 +305,13 @@ class DhtNode:
     async def delete(self, key: str, subkey: str, *, signer: NodeKey | None = None) -> int:
         """Hide ``key``/``subkey`` everywhere: a tombstone outranks and outlives every copy."""
         current = (await self._get_records(key)).get(subkey)
-        expiration = max(current.expiration if current else 0.0, time.time()) + 1.0
+        expiration = max(current.expiration if current else 0.0, world.wall()) + 1.0
         record = make_record(key, subkey, None, expiration, signer=signer or self.key, tombstone=True)
         return await self._put(key, subkey, record, "delete")
 
     async def _put(self, key: str, subkey: str, record: Record, op: str) -> int:
         started = time.perf_counter()
-        self.records.validate(key, subkey, record, now=time.time())  # the replicas' rules, locally first
+        self.records.validate(key, subkey, record, now=world.wall())  # the replicas' rules, locally first
         try:
             accepted = await self.replication.write(key, subkey, record)
         except RecordRejected:
@@ -369,7 +369,7 @@ class DhtNode:
             self._changed.clear()
             tick += 1
             try:
-                self.records.purge(time.time())
+                self.records.purge(world.wall())
                 if changed and await self.replication.handoff():
                     self._changed.set()  # some records were not delivered: hand them over again
                 if tick % self.config.sync_periods == 0:

@@ -7,9 +7,9 @@ so it survives two missed refreshes, and a node that dies vanishes within one li
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from agora_core import world
 from agora_core.dht.node import DhtNode
 from agora_core.dht.records import owned_subkey
 from agora_core.dht.values import DhtValue
@@ -41,7 +41,7 @@ class OwnedEntry:
 
     async def publish(self, value: Any, ttl_s: float) -> int:
         """Store ``value`` for ``ttl_s`` seconds; returns how many replicas took it."""
-        return await self.dht.store(self.dht_key, self.subkey, value, time.time() + ttl_s, signer=self.key)
+        return await self.dht.store(self.dht_key, self.subkey, value, world.wall() + ttl_s, signer=self.key)
 
     async def read_all(self) -> dict[str, DhtValue]:
         """Every writer's entry under the key, this one's included."""

@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from agora_core import world
 from agora_core.dht.membership import Member
 
 Answer = dict[str, dict[str, Any]]  # key -> subkey -> record, as one replica holds them
@@ -114,7 +114,7 @@ class QuorumRead:
                 groups.setdefault(member.node_id, (member, []))[1].append(key)
                 self._outstanding[key] += 1
         loop = asyncio.get_running_loop()
-        now = time.perf_counter()
+        now = world.monotonic()
         for member, keys in groups.values():
             task = loop.create_task(self._remote(member, keys))
             self.late[task] = member
@@ -152,7 +152,7 @@ class QuorumRead:
             self._outstanding[key] -= 1
         if task.cancelled() or task.exception() is not None:
             return
-        self._hedge.observe(time.perf_counter() - started)
+        self._hedge.observe(world.monotonic() - started)
         self.answers.append((member, task.result()))
         for key in keys:
             self._good[key] += 1

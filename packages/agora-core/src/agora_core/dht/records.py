@@ -1,7 +1,7 @@
 """DHT records: key -> {subkey -> (value, expiration, signature, writer)}.
 
 Values are msgpack bytes, at most ``max_value_bytes``. Expirations are wall-clock seconds
-(``time.time()``); the newest expiration wins and an expired record is invisible. A record
+(``world.wall()``); the newest expiration wins and an expired record is invisible. A record
 whose value is ``None`` is a tombstone: it hides older copies of a deleted subkey until they
 have expired too.
 

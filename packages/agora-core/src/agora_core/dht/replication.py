@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from agora_core import world
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht import bulk
@@ -68,7 +67,7 @@ class Replication:
         # Reads ask more replicas than a quorum only after this long (``reads``); the floor
         # keeps scheduling jitter on a fast link from doubling the requests.
         self._hedge = HedgeDelay(floor_s=0.005, ceiling_s=config.op_timeout_s / 5)
-        self._rng = random.Random()
+        self._rng = world.rng()
         # plain functions where the answer is at hand: the server runs them on its receive
         # path, without a task per request
         for method, handler in (
@@ -83,7 +82,7 @@ class Replication:
     def _accept_items(self, items: Any, sender_now: Any) -> tuple[list[bool], list[str | None]]:
         if not isinstance(items, list) or len(items) > MAX_KEYS_PER_CALL:
             raise BadRequest(f"items must be a list of at most {MAX_KEYS_PER_CALL} [key, subkey, record]")
-        now = time.time()
+        now = world.wall()
         stored: list[bool] = []
         errors: list[str | None] = []
         for item in items:
@@ -116,7 +115,7 @@ class Replication:
             or not all(isinstance(k, str) for k in keys)
         ):
             raise BadRequest(f"keys must be a list of at most {MAX_KEYS_PER_CALL} strings")
-        now = time.time()
+        now = world.wall()
         found = {}
         for key in keys:
             records = self.records.get(key, now=now)
@@ -129,7 +128,7 @@ class Replication:
         digest = bulk.unpack("digest", request.meta, request.tensors)
         if not isinstance(digest, dict) or len(digest) > MAX_KEYS_PER_CALL:
             raise BadRequest(f"digest must map at most {MAX_KEYS_PER_CALL} keys to {{subkey: expiration}}")
-        now = time.time()
+        now = world.wall()
         wanted = []
         for key, subkeys in digest.items():
             if not isinstance(key, str) or not isinstance(subkeys, dict):
@@ -152,7 +151,7 @@ class Replication:
         reply = await self.client.call(
             member.address,
             Method.DHT_STORE,
-            {**fields, "now": time.time(), "from": self._sender()},
+            {**fields, "now": world.wall(), "from": self._sender()},
             tensors,
             timeout_s=self.config.op_timeout_s,
         )
@@ -160,7 +159,7 @@ class Replication:
         return list(meta.get("stored") or []), list(meta.get("errors") or [])
 
     def _get_here(self, keys: list[str]) -> dict[str, dict[str, Record]]:
-        now = time.time()
+        now = world.wall()
         return {key: self.records.get(key, now=now) for key in keys}
 
     async def _get_at(self, member: Member, keys: list[str]) -> dict[str, dict[str, Record]]:
@@ -223,7 +222,7 @@ class Replication:
                 for subkey, record in records.items():
                     candidates[key].setdefault(subkey, set()).add(record)
         merged: dict[str, dict[str, Record]] = {key: {} for key in keys}
-        now = time.time()
+        now = world.wall()
         for key, subkeys in candidates.items():
             for subkey, records in subkeys.items():
                 # Newest first; a replica's copy counts only if it passes the rules a replica
@@ -275,7 +274,7 @@ class Replication:
 
         Returns True when some could not be delivered: call again next period.
         """
-        now = time.time()
+        now = world.wall()
         outgoing: dict[str, tuple[Member, list[Item]]] = {}
         leaving: list[str] = []
         for key in self.records.keys():
@@ -319,7 +318,7 @@ class Replication:
 
     async def anti_entropy(self) -> None:
         """Compare (subkey, expiration) digests with the other replicas; send what they lack."""
-        now = time.time()
+        now = world.wall()
         digests: dict[str, tuple[Member, dict]] = {}
         for key in self.records.keys():
             records = self.records.get(key, now=now)

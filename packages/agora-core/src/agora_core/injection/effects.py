@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agora_core import world
 from agora_core.injection.record import Action, Injection
 from agora_core.logs import get_logger
 
@@ -75,17 +76,17 @@ class Slowdown:
 
     def __init__(self) -> None:
         self.factor = 1.0  # 1.0: off, the one value the hot path tests
-        self._until = 0.0  # time.monotonic()
+        self._until = 0.0  # world.monotonic()
 
     def set(self, factor: float, duration_s: float) -> None:
-        self._until = time.monotonic() + duration_s
+        self._until = world.monotonic() + duration_s
         self.factor = factor
 
     def extra_s(self, elapsed_s: float) -> float:
         """How much longer a piece of work that took ``elapsed_s`` should take now."""
         if self.factor == 1.0:
             return 0.0
-        if time.monotonic() >= self._until:
+        if world.monotonic() >= self._until:
             self.factor = 1.0
             return 0.0
         return elapsed_s * (self.factor - 1.0)

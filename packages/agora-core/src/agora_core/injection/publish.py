@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agora_core import world
 from agora_core.dht import DhtError, DhtNode
 from agora_core.identity import NodeKey
 from agora_core.injection.record import (
@@ -45,7 +45,7 @@ def new_injection(
     ``after`` trigger); ``params``: after_s, at_chunk, factor, duration_s, exit_code."""
     if ttl_s <= 0:
         raise InjectionRejected("malformed", "ttl_s must be positive")
-    issued = time.time()
+    issued = world.wall()
     due = issued + (float(params.get("after_s", 0.0)) if Trigger(trigger) is Trigger.AFTER else 0.0)
     return Injection(
         id=record_id or f"inj-{int(issued)}-{secrets.token_hex(3)}",
@@ -63,12 +63,12 @@ async def retrying(write: Callable[[], Awaitable[int]], timeout_s: float) -> int
     """``write()`` until no replica refuses it. In an authorized run a replica takes records
     only from members it knows, and a tool that just joined is known to every replica a
     gossip period or two later; until then a write is refused (RecordRejected, a DhtError)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = world.monotonic() + timeout_s
     while True:
         try:
             return await write()
         except DhtError:
-            if time.monotonic() > deadline:
+            if world.monotonic() > deadline:
                 raise
             await asyncio.sleep(RETRY_EVERY_S)
 

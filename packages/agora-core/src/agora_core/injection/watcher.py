@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from typing import TYPE_CHECKING
 
+from agora_core import world
 from agora_core.dht import DhtError, DhtNode, DhtValue
 from agora_core.errors import RpcError
 from agora_core.injection.effects import NodeEffects
@@ -61,7 +61,7 @@ class InjectionWatcher:
         self.key = injections_key(run_name)
         self.interval_s = interval_s
         self._operators = operators
-        self.traits = NodeTraits(node_id=dht.node_id, role=role, stage=stage, started=time.time())
+        self.traits = NodeTraits(node_id=dht.node_id, role=role, stage=stage, started=world.wall())
         self.points = points
         self._effects = effects
         self.metrics = metrics
@@ -145,7 +145,7 @@ class InjectionWatcher:
         except (DhtError, RpcError) as exc:
             log.debug("injection_read_failed", error=str(exc))
             return
-        now = time.time()
+        now = world.wall()
         for subkey, value in found.items():
             marker = (subkey, value.expiration)
             if marker in self._seen:
@@ -196,7 +196,7 @@ class InjectionWatcher:
 
     def _fire_scheduled(self, injection: Injection) -> None:
         self._scheduled.pop(injection.id, None)
-        if time.time() < injection.expires:
+        if world.wall() < injection.expires:
             self._obey(injection, str(injection.trigger))
 
     # --- obeying --------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from agora_core import world
 from agora_core.auth.security import TransportSecurity
 from agora_core.dtypes import Tensor
 from agora_core.errors import DeadlineExceeded
@@ -42,7 +42,7 @@ def _request(rid: int, method: str, deadline: float, meta, tensors, *, credit: i
         kind=Kind.REQUEST,
         method=method,
         request_id=rid,
-        deadline_s=deadline - time.monotonic(),
+        deadline_s=deadline - world.monotonic(),
         meta=meta,
         tensors=tensors or {},
         credit=credit,
@@ -91,7 +91,7 @@ class RpcClient(ClientConnections):
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
-        return time.monotonic() + timeout
+        return world.monotonic() + timeout
 
     async def call(
         self,

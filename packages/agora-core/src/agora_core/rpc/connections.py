@@ -14,44 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
-import time
 from collections.abc import Callable
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
+from agora_core import world
 from agora_core.addresses import normalize_address
-from agora_core.auth.curve import curve_public_key
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
 from agora_core.errors import PeerRefused, PeerUnreachable, RpcError, WireError, rpc_error_from_code
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.rpc.network import LOST, REFUSED, REJECTED, UP, ClientEndpoint
 from agora_core.rpc.peer_connection import PeerConnection
 from agora_core.rpc.streams import ClientStream
-from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
+from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import RpcConfig, Traffic
 from agora_core.wire import Kind, Message, check_header, decode_tensors, encode, unpack_header
 
 log = get_logger("rpc.client")
 
-_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-_CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (refused, ...)
-# a CURVE handshake failed: the node there does not hold the key we expect (no detail, or a
-# protocol error), or its ZAP handler refused our key (auth)
-_HANDSHAKE_FAILED = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "the node there does not hold the key expected of it",
-    int(
-        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    ): "the secure handshake broke (is the node there in an open run?)",
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the node there refused this node's key",
-}
-_HANDSHAKE_MASK = _HANDSHAKE_SUCCEEDED | _DISCONNECTED | _CONNECT_RETRIED
-for _event in _HANDSHAKE_FAILED:
-    _HANDSHAKE_MASK |= _event
 _GREETING_IDS = 1 << 62  # request ids of greetings: apart from the calls' (which count from 1)
 
 
@@ -78,8 +59,7 @@ class ClientConnections:
         self._peers: collections.OrderedDict[str, PeerConnection] = collections.OrderedDict()  # LRU order
         self._by_routing_id: dict[bytes, PeerConnection] = {}
         self._routing_ids = itertools.count(1)
-        self._pump: SocketPump | None = None
-        self._monitor: SocketPump | None = None
+        self._pump: ClientEndpoint | None = None
         self._background: set[asyncio.Task] = set()
         self.traffic = Traffic()
         self._m_connections = metrics.gauge("agora_rpc_client_connections", "Open peer connections.")
@@ -98,24 +78,21 @@ class ClientConnections:
 
     # --- the socket and its connections -----------------------------------------------------
 
-    def _socket(self) -> SocketPump:
+    def _socket(self) -> ClientEndpoint:
         if self._pump is None:
-            sock = new_socket(zmq.ROUTER, self.config)
-            # Unroutable sends raise instead of vanishing silently.
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._pump = world.network().open_client(
+                config=self.config,
+                link=self.link,
+                on_frames=self._on_frames,
+                on_event=self._on_link_event,
+                security=self.security,
+            )
             if self.security is not None:
-                sock.curve_secretkey = self.security.curve_secret
-                sock.curve_publickey = self.security.curve_public
                 self.security.on_credential_changed(self._greet_all)
                 self.security.on_revocations(lambda _revocations: self._recheck())
                 self._watching = asyncio.get_running_loop().create_task(
                     self._watch(), name="rpc-client credentials"
                 )
-            monitor = sock.get_monitor_socket(_HANDSHAKE_MASK)
-            self._monitor = SocketPump(monitor, self._on_monitor_event, name="rpc-client monitor")
-            self._pump = SocketPump(sock, self._on_frames, link=self.link, name="rpc-client")
-            self._monitor.start()
-            self._pump.start()
         return self._pump
 
     def fail_calls_to(self, address: str, why: str) -> None:
@@ -136,16 +113,14 @@ class ClientConnections:
         if peer is not None:
             self._peers.move_to_end(address)
             return peer
-        sock = self._socket().socket
+        endpoint = self._socket()
         if len(self._peers) >= self.config.max_connections:
             for idle in [p for p in self._peers.values() if not p.busy][:1]:
                 self._drop(idle, None)  # the least recently used idle connection
         peer = PeerConnection(address, b"p%d" % next(self._routing_ids))
         if self.security is not None:
             peer.public_key, peer.credentialed = self.security.server_key(address)
-            sock.curve_serverkey = curve_public_key(peer.public_key)  # read by the connect below
-        sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer.routing_id)
-        sock.connect(address)
+        endpoint.connect(address, peer.routing_id, peer.public_key)
         self._peers[address] = peer
         self._by_routing_id[peer.routing_id] = peer
         self._m_connections.set(len(self._peers))
@@ -160,31 +135,27 @@ class ClientConnections:
         self._by_routing_id.pop(peer.routing_id, None)
         peer.fail_all(error or PeerUnreachable(f"connection to {peer.address} was closed"))
         if self._pump is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._pump.socket.disconnect(peer.address)
+            self._pump.disconnect(peer.address)
         self._m_connections.set(len(self._peers))
 
-    def _on_monitor_event(self, frames: list) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])
-        peer = self._peers.get(event["endpoint"].decode())
+    def _on_link_event(self, kind: str, address: str, detail: str) -> None:
+        peer = self._peers.get(address)
         if peer is None:
             return
-        kind = event["event"]
-        if kind == _HANDSHAKE_SUCCEEDED:
+        if kind == UP:
             if self.security is None:
                 peer.connected = True
                 peer.settled.set()
             elif not peer.greeting:
                 self._spawn(self._greet(peer))
-        elif kind in _HANDSHAKE_FAILED and not peer.connected:
-            self._drop(peer, PeerRefused(f"refused connection to {peer.address}: {_HANDSHAKE_FAILED[kind]}"))
-        elif kind == _DISCONNECTED:
+        elif kind == REJECTED and not peer.connected:
+            self._drop(peer, PeerRefused(f"refused connection to {peer.address}: {detail}"))
+        elif kind == LOST:
             self._drop(peer, PeerUnreachable(f"connection to {peer.address} was lost"))
             for listener in self._lost_listeners:
                 listener(peer.address)
-        elif kind == _CONNECT_RETRIED and not peer.connected:
-            # Nobody accepted the connection (on a LAN or loopback: refused). Fail the calls
-            # now rather than at the connect timeout; the next call tries afresh.
+        elif kind == REFUSED and not peer.connected:
+            # Fail the calls now rather than at the connect timeout; the next call tries afresh.
             self._drop(peer, PeerUnreachable(f"could not connect to {peer.address} (refused)"))
 
     # --- greetings (authorized runs): credentials both ways on every connection ------------------
@@ -196,7 +167,7 @@ class ClientConnections:
         rid = next(self._greeting_ids)
         future = asyncio.get_running_loop().create_future()
         peer.pending[rid] = future
-        deadline = time.monotonic() + self.config.connect_timeout_s
+        deadline = world.monotonic() + self.config.connect_timeout_s
         request = Message(
             kind=Kind.REQUEST,
             method=HELLO_METHOD,
@@ -206,7 +177,7 @@ class ClientConnections:
         )
         try:
             await self._send(peer, request, deadline)
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # send and answer
+            async with asyncio.timeout(max(0.0, deadline - world.monotonic())):  # send and answer
                 reply = await future
             peer.identity = self.security.check_server(reply.meta, peer.public_key, peer.credentialed)
         except TimeoutError:
@@ -235,7 +206,7 @@ class ClientConnections:
     def _recheck(self) -> None:
         """Drop connections to peers whose credential expired or was revoked; ask peers whose
         credential is due for renewal for their new one."""
-        now = time.time()
+        now = world.wall()
         verifier = self.security.verifier
         for peer in list(self._peers.values()):
             identity = peer.identity
@@ -260,7 +231,7 @@ class ClientConnections:
     async def connect(self, address: str) -> None:
         """Open the connection to ``address`` now (PeerUnreachable if nobody accepts it within
         the connect timeout), so that a call timed next measures the round trip alone."""
-        await self._wait_connected(self._peer(address), time.monotonic() + self.config.connect_timeout_s)
+        await self._wait_connected(self._peer(address), world.monotonic() + self.config.connect_timeout_s)
 
     async def _wait_connected(self, peer: PeerConnection, deadline: float) -> None:
         if not peer.settled.is_set():
@@ -269,7 +240,7 @@ class ClientConnections:
                 async with asyncio.timeout_at(min(give_up_at, deadline)):
                     await peer.settled.wait()
             except TimeoutError:
-                if time.monotonic() < give_up_at:
+                if world.monotonic() < give_up_at:
                     # Only this call ran out of time. The connection goes on being set up for
                     # the next one: dropping it here would start every short call (a probe)
                     # on a loaded node from scratch, and none would ever get through.
@@ -375,13 +346,9 @@ class ClientConnections:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for pump in (self._pump, self._monitor):
-            if pump is not None:
-                if pump is self._pump:
-                    with contextlib.suppress(zmq.ZMQError):
-                        pump.socket.disable_monitor()
-                await pump.close()
-        self._pump = self._monitor = None
+        if self._pump is not None:
+            await self._pump.close()
+        self._pump = None
 
     @property
     def connections(self) -> int:

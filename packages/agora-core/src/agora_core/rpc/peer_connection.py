@@ -4,8 +4,8 @@ and the calls and streams waiting on it."""
 from __future__ import annotations
 
 import asyncio
-import time
 
+from agora_core import world
 from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.rpc.streams import ClientStream
 
@@ -16,7 +16,7 @@ class PeerConnection:
     def __init__(self, address: str, routing_id: bytes):
         self.address = address
         self.routing_id = routing_id
-        self.opened = time.monotonic()
+        self.opened = world.monotonic()
         self.public_key: bytes | None = None  # the key the node there must hold (secured)
         self.credentialed = True  # ... and whether it must hold a credential too
         self.identity: PeerIdentity | None = None  # who it proved to be (secured)

@@ -16,8 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Union
 
-import zmq
-
+from agora_core import world
 from agora_core.addresses import normalize_address
 from agora_core.auth.access import CREDENTIALED, Access
 from agora_core.auth.security import TransportSecurity
@@ -32,6 +31,7 @@ from agora_core.errors import (
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
+from agora_core.rpc.network import ServerEndpoint
 from agora_core.rpc.server_calls import (
     Call,
     Handler,
@@ -45,7 +45,7 @@ from agora_core.rpc.server_metrics import ServerMetrics
 from agora_core.rpc.server_replies import ServerReplies
 from agora_core.rpc.server_security import ServerSecurity
 from agora_core.rpc.streams import ServerStream
-from agora_core.rpc.transport import SocketPump, frames_nbytes, new_socket
+from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
 from agora_core.wire import (
     Kind,
@@ -88,7 +88,7 @@ class RpcServer:
         self._link = link
         self._handlers: dict[str, Handler] = {}
         self._calls: dict[tuple[bytes, int], Call] = {}
-        self._pump: SocketPump | None = None
+        self._pump: ServerEndpoint | None = None
         self._closing = False
         self.address: str | None = None
         metrics = metrics or NodeMetrics(role="node", instance=node_id)
@@ -130,19 +130,19 @@ class RpcServer:
 
     async def start(self) -> str:
         """Bind and start serving; returns the bound ``tcp://host:port`` address."""
-        sock = new_socket(zmq.ROUTER, self.config)
-        if self._guard is not None:
-            self._guard.secure(sock)
         try:
-            sock.bind(self._listen)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            self._pump = world.network().open_server(
+                listen=self._listen,
+                config=self.config,
+                link=self._link,
+                on_frames=self._on_frames,
+                guard=self._guard,
+            )
+        except OSError:
             if self._guard is not None:
                 self._guard.close()
-            raise OSError(f"cannot listen on {self._listen}: {exc}") from None
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pump = SocketPump(sock, self._on_frames, link=self._link, name=f"rpc-server {self.address}")
-        self._pump.start()
+            raise
+        self.address = self._pump.address
         self._replies.pump = self._pump
         log.debug("server_started", address=self.address, methods=self.methods)
         return self.address
@@ -232,9 +232,7 @@ class RpcServer:
         else:
             self._reject("unexpected_kind")
 
-    def _accept(
-        self, identity: bytes, key, message: Message, header: dict, data: list, first: zmq.Frame
-    ) -> None:
+    def _accept(self, identity: bytes, key, message: Message, header: dict, data: list, first) -> None:
         rid = message.request_id
         handler = self._handlers.get(message.method)
         caller, sender = None, message.sender
@@ -269,7 +267,7 @@ class RpcServer:
             tensors=tensors,
             sender=sender,
             peer=identity,
-            deadline=time.monotonic() + remaining,
+            deadline=world.monotonic() + remaining,
             caller=caller,
         )
         if handler.inline:

@@ -4,11 +4,11 @@ made a CURVE server under a ZAP domain of its own, and the greeting's answer."""
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable
 
 import zmq
 
+from agora_core import world
 from agora_core.auth.access import Access
 from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
@@ -54,7 +54,7 @@ class ServerSecurity:
             if isinstance(answer, RpcError):
                 return None, answer
             return None, Message(kind=Kind.RESPONSE, request_id=message.request_id, meta=answer)
-        caller = self.security.caller(user_id, time.time())
+        caller = self.security.caller(user_id, world.wall())
         refusal = handler.access.refusal(caller, message.method) if handler is not None else None
         return caller, refusal
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agora_core import world
 from agora_core.dtypes import Tensor
 from agora_core.errors import DeadlineExceeded, StreamError
 from agora_core.rpc.types import Payload, Request
@@ -113,7 +113,7 @@ class StreamChannel:
 
     async def _wait_changed(self, waiters: list[asyncio.Future], what: str) -> None:
         """Wait on ``waiters``' next change; the caller looks again at what it waits for."""
-        if self._expired or time.monotonic() >= self._deadline:
+        if self._expired or world.monotonic() >= self._deadline:
             raise DeadlineExceeded(f"stream {self.method!r}: deadline passed while {what}")
         loop = asyncio.get_running_loop()
         if self._deadline_timer is None:
@@ -249,7 +249,7 @@ class ClientStream(StreamChannel):
         return self._result.done()
 
     async def result(self) -> Payload:
-        remaining = self._deadline - time.monotonic()
+        remaining = self._deadline - world.monotonic()
         try:
             async with asyncio.timeout(max(remaining, 0)):
                 return await asyncio.shield(self._result)

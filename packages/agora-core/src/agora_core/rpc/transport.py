@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import zmq
 
+from agora_core import world
 from agora_core.linkemu import DelayLine, LinkEmulator
 from agora_core.logs import get_logger
 from agora_core.rpc.types import RpcConfig
@@ -100,7 +100,7 @@ class SocketPump:
         self._drain_scheduled = False
         self._up: DelayLine | None = None
         self._down: DelayLine | None = None
-        # Fault injection (a dropped link): until this time.monotonic(), messages are neither
+        # Fault injection (a dropped link): until this world.monotonic(), messages are neither
         # sent nor delivered. 0 is the one value the hot paths test, so it costs ~nothing.
         self._silent_until = 0.0
         if link is not None and not link.config.is_ideal:
@@ -120,10 +120,10 @@ class SocketPump:
     def drop_for(self, seconds: float) -> None:
         """Send and deliver nothing for ``seconds``: messages sent meanwhile vanish as on a cut
         link (their callers time out), messages received meanwhile are read and discarded."""
-        self._silent_until = max(self._silent_until, time.monotonic() + seconds)
+        self._silent_until = max(self._silent_until, world.monotonic() + seconds)
 
     def _silent(self) -> bool:
-        if time.monotonic() < self._silent_until:
+        if world.monotonic() < self._silent_until:
             return True
         self._silent_until = 0.0
         return False
@@ -135,7 +135,7 @@ class SocketPump:
 
         Returns once zmq has the message (or, with an emulated link, once it is queued on the
         upload pipe); waits only while zmq cannot take it, at most until ``deadline``
-        (``time.monotonic()``), then raises TimeoutError. Raises ConnectionError when the
+        (``world.monotonic()``), then raises TimeoutError. Raises ConnectionError when the
         destination is unknown to the socket.
         """
         if self._closed:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agora_core import world
 from agora_core.auth.peer_identity import PeerIdentity
 from agora_core.dtypes import Tensor
 from agora_core.wire import WireConfig
@@ -59,12 +59,12 @@ class Request:
     # credential), as the caller declared it in an open one
     sender: str
     peer: bytes  # transport identity of the connection; opaque
-    deadline: float  # time.monotonic() by which the caller stops waiting
+    deadline: float  # world.monotonic() by which the caller stops waiting
     caller: PeerIdentity | None = None  # who the caller is (authorized runs): role, stage, key
 
     @property
     def remaining_s(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - world.monotonic()
 
 
 @dataclass(slots=True)

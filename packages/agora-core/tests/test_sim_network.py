@@ -1,0 +1,169 @@
+"""The simulator's loop and network: virtual time, link delays, faults, as the RPC layer sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agora_core import world
+from agora_core.errors import DeadlineExceeded, PeerUnreachable
+from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_core.sim import LinkModel, Simulation, SimulationStalled
+
+
+def echo_pair(sim: Simulation, server_link: LinkModel, client_link: LinkModel):
+    """An echo server and a client, each on a host of its own."""
+    server_host = sim.network.add_host("server", server_link)
+    client_host = sim.network.add_host("client", client_link)
+    with server_host.active():
+        server = RpcServer()
+        server.register("echo", lambda request: Payload(request.meta, request.tensors))
+        sim.run(server.start())
+    with client_host.active():
+        client = RpcClient()
+    return server, client, server_host, client_host
+
+
+def timed_call(sim: Simulation, client: RpcClient, host, *args, **kwargs):
+    async def call():
+        started = world.monotonic()
+        reply = await client.call(*args, **kwargs)
+        return reply, world.monotonic() - started
+
+    with host.active():
+        return sim.run(call())
+
+
+def test_an_hour_of_sleep_passes_in_virtual_time_and_the_real_clock_returns_after():
+    real_started = time.monotonic()
+    with Simulation(seed=1) as sim:
+        before = world.monotonic()
+        sim.run(asyncio.sleep(3600.0))
+        assert world.monotonic() - before == pytest.approx(3600.0)
+        assert sim.elapsed_s == pytest.approx(3600.0)
+        assert world.simulated()
+    assert time.monotonic() - real_started < 30.0
+    assert world.monotonic is time.monotonic and world.wall is time.time
+    assert not world.simulated()
+
+
+def test_a_wait_for_something_that_never_comes_is_reported_as_stalled():
+    with Simulation(seed=1) as sim:
+        never = sim.loop.create_future()
+        with pytest.raises(SimulationStalled):
+            sim.run(never)
+
+
+def test_a_call_costs_a_connection_round_trip_then_one_round_trip_each():
+    with Simulation(seed=1) as sim:
+        server, client, _, client_host = echo_pair(sim, LinkModel(latency_s=0.05), LinkModel(latency_s=0.03))
+        round_trip_s = 2 * (0.05 + 0.03)
+        first, first_s = timed_call(sim, client, client_host, server.address, "echo", {"n": 1})
+        second, second_s = timed_call(sim, client, client_host, server.address, "echo", {"n": 2})
+        assert (first.meta, second.meta) == ({"n": 1}, {"n": 2})
+        assert first_s == pytest.approx(2 * round_trip_s, abs=1e-6)  # connect, then the call
+        assert second_s == pytest.approx(round_trip_s, abs=1e-6)
+        with client_host.active():
+            sim.run(client.close())
+
+
+def test_a_large_message_pays_the_slower_pipe_of_its_path():
+    import numpy as np
+
+    with Simulation(seed=1) as sim:
+        server, client, _, client_host = echo_pair(
+            sim,
+            LinkModel(up_bits_per_s=800e6, down_bits_per_s=800e6),
+            LinkModel(up_bits_per_s=8e6, down_bits_per_s=80e6),  # 1 MB up: 1 s; back down: 0.1 s
+        )
+        timed_call(sim, client, client_host, server.address, "echo", {})  # connected
+        payload = {"x": np.random.default_rng(0).random(1_000_000 // 4, dtype=np.float32)}  # incompressible
+        reply, elapsed_s = timed_call(sim, client, client_host, server.address, "echo", {}, payload)
+        assert np.array_equal(reply.tensors["x"], payload["x"])
+        # up 1 s + the server's down 0.01 s, then the reply: the server's up 0.01 s + down 0.1 s
+        assert 1.1 < elapsed_s < 1.2
+
+
+def test_a_partition_times_calls_out_and_healing_it_lets_them_through():
+    with Simulation(seed=1) as sim:
+        server, client, server_host, client_host = echo_pair(
+            sim, LinkModel(latency_s=0.01), LinkModel(latency_s=0.01)
+        )
+        timed_call(sim, client, client_host, server.address, "echo", {})
+        sim.network.partition([[server_host], [client_host]])
+        with pytest.raises(DeadlineExceeded):
+            timed_call(sim, client, client_host, server.address, "echo", {}, timeout_s=2.0)
+        sim.network.heal()
+        reply, elapsed_s = timed_call(sim, client, client_host, server.address, "echo", {"back": True})
+        assert reply.meta == {"back": True} and elapsed_s == pytest.approx(0.04, abs=1e-6)
+        assert sim.trace.dropped >= 1
+
+
+def test_killing_a_host_fails_calls_waiting_on_it_and_cancels_its_tasks():
+    with Simulation(seed=1) as sim:
+        server_host = sim.network.add_host("server", LinkModel(latency_s=0.02))
+        client_host = sim.network.add_host("client", LinkModel(latency_s=0.02))
+        with server_host.active():
+            server = RpcServer()
+
+            async def slow(request):
+                await asyncio.sleep(3600.0)
+
+            server.register("slow", slow)
+            sim.run(server.start())
+            ticker = sim.loop.create_task(asyncio.sleep(3600.0))
+        with client_host.active():
+            client = RpcClient()
+            call = sim.loop.create_task(client.call(server.address, "slow", timeout_s=60.0))
+        sim.run_for(1.0)
+        assert not call.done()
+        sim.network.kill(server_host)
+        sim.run_for(0.1)
+        assert ticker.cancelled()
+        assert isinstance(call.exception(), PeerUnreachable)
+        assert sim.elapsed_s < 2.0  # heard within a one-way latency, not at the deadline
+
+
+def test_dialing_a_live_host_where_nothing_listens_is_refused_after_one_round_trip():
+    with Simulation(seed=1) as sim:
+        empty = sim.network.add_host("empty", LinkModel(latency_s=0.05))
+        client_host = sim.network.add_host("client", LinkModel(latency_s=0.05))
+        with client_host.active():
+            client = RpcClient()
+        started = sim.elapsed_s
+        with pytest.raises(PeerUnreachable, match="refused"):
+            timed_call(sim, client, client_host, f"tcp://{empty.ip}:7001", "echo", {}, timeout_s=10.0)
+        assert sim.elapsed_s - started == pytest.approx(0.2, abs=0.02)
+
+
+def test_jitter_never_reorders_the_messages_of_one_connection():
+    with Simulation(seed=3) as sim:
+        server_host = sim.network.add_host("server", LinkModel(latency_s=0.05, jitter_s=0.04))
+        client_host = sim.network.add_host("client", LinkModel(latency_s=0.05, jitter_s=0.04))
+        seen: list[int] = []
+        with server_host.active():
+            server = RpcServer()
+            server.register("note", lambda request: seen.append(request.meta))
+            sim.run(server.start())
+        with client_host.active():
+            client = RpcClient()
+
+            async def burst():
+                await client.connect(server.address)
+                await asyncio.gather(*(client.call(server.address, "note", i) for i in range(50)))
+
+            sim.run(burst())
+        assert seen == list(range(50))
+
+
+def test_an_authorized_run_is_refused_with_a_clear_error():
+    from agora_core.sim.network import SimNetwork
+
+    with Simulation(seed=1) as sim:
+        assert isinstance(world.network(), SimNetwork)
+        with pytest.raises(NotImplementedError, match="open runs only"):
+            sim.network.open_server(
+                listen="127.0.0.1:0", config=None, link=None, on_frames=print, guard=object()
+            )

@@ -95,7 +95,7 @@ class FailureDetector:
             if member is not None and member.status == Status.SUSPECT:
                 await self._ping(member, self._probe_timeout_s)
                 return
-        self._suspects = [m.node_id for m in self._table.others() if m.status == Status.SUSPECT]
+        self._suspects = [m.node_id for m in self._table.suspects()]
 
     async def _probe(self, target: Member) -> None:
         self.probes += 1

@@ -96,8 +96,8 @@ class Gossip:
         interval = self.config.gossip_period_s / 2
         while True:
             await asyncio.sleep(interval)
-            others = self.table.others()
-            if self.table.pending_gossip and others:
+            others = self.table.others() if self.table.pending_gossip else None
+            if others:
                 targets = self._rng.sample(others, min(self.config.gossip_fanout, len(others)))
                 await asyncio.gather(*(self.ping(m, interval) for m in targets))
 
@@ -163,8 +163,7 @@ class Gossip:
         node's, dropped for a while) refutes in its reply and is alive here at once. Without
         this, nobody probes the dead: a trainer whose own link dropped would hold its workers
         dead until their tombstones expire (``tombstone_s``), though they never left."""
-        me = self.table.me
-        dead = [m for m in self.table.known() if m is not me and m.status == Status.DEAD and not m.revoked]
+        dead = self.table.dead()
         chosen = self._rng.sample(dead, min(len(dead), self.config.gossip_fanout))
         answers = await asyncio.gather(*(self.ping(m, self.config.probe_timeout_s) for m in chosen))
         return sum(answers)

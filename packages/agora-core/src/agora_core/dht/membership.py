@@ -79,7 +79,13 @@ class MemberTable:
         self._refuted_at = -math.inf  # world.monotonic() of the last refutation
         self._tombstone_s = tombstone_s
         self._retransmit_mult = retransmit_mult
-        self._on_change = on_change or (lambda: None)
+        self._on_change_listener = on_change or (lambda: None)
+        # Views worked out once per change of the table, not per probe and period: at a
+        # thousand members, scanning them all several times a period per node was most of a
+        # node's idle CPU. Every mutation of a member's status or of the table calls _touch.
+        self._others: list[Member] | None = None
+        self._aging: list[Member] | None = None  # suspect or gone: what expire() looks at
+        self._first_expiry = -math.inf  # the earliest credential expiration among members
         self._on_new_member = on_new_member or (lambda node_id: None)
         self._on_hint = on_hint or (lambda member: None)
         self._on_address = on_address or (lambda member: None)
@@ -107,8 +113,32 @@ class MemberTable:
         return [m for m in self.live() if m.status == Status.ALIVE]
 
     def others(self) -> list[Member]:
-        """Live members other than this node: whom to probe and gossip with."""
-        return [m for m in self._members.values() if m.status not in GONE]
+        """Live members other than this node: whom to probe and gossip with (shared: do not
+        modify the list)."""
+        if self._others is None:
+            self._others = [m for m in self._members.values() if m.status not in GONE]
+        return self._others
+
+    def suspects(self) -> list[Member]:
+        """Members this node holds suspect."""
+        return [m for m in self._aging_members() if m.status == Status.SUSPECT]
+
+    def dead(self) -> list[Member]:
+        """Members this node holds dead (not those that left, nor the revoked)."""
+        return [m for m in self._aging_members() if m.status == Status.DEAD and not m.revoked]
+
+    def _aging_members(self) -> list[Member]:
+        if self._aging is None:
+            self._aging = [m for m in self._members.values() if m.status != Status.ALIVE]
+        return self._aging
+
+    def _touch(self) -> None:
+        self._others = self._aging = None
+        self._first_expiry = -math.inf
+
+    def _on_change(self) -> None:
+        self._touch()
+        self._on_change_listener()
 
     def known(self) -> list[Member]:
         """Every member not yet forgotten, tombstones and this node included."""
@@ -167,6 +197,7 @@ class MemberTable:
             return False
         update.changed_at = now
         self._members[update.node_id] = update
+        self._touch()
         if update.status in GONE:
             update.hearsay = update.status == Status.DEAD
             return False  # a tombstone: blocks stale claims, changes no view
@@ -277,14 +308,18 @@ class MemberTable:
         forget old tombstones."""
         now = world.monotonic() if now is None else now
         wall_now = world.wall() if wall_now is None else wall_now
-        self.drop(lambda m: m.expires <= wall_now)
-        for member in list(self._members.values()):
+        if self._first_expiry == -math.inf:
+            self._first_expiry = min((m.expires for m in self._members.values()), default=math.inf)
+        if wall_now >= self._first_expiry:
+            self.drop(lambda m: m.expires <= wall_now)
+        for member in list(self._aging_members()):
             age = now - member.changed_at
             if member.status == Status.SUSPECT and age >= self._suspicion_timeout_s:
                 self._set_status(member, Status.DEAD, now)
             elif member.status in GONE and age >= self._tombstone_s:
                 del self._members[member.node_id]
                 self._gossip.pop(member.node_id, None)
+                self._touch()
 
     # --- dissemination --------------------------------------------------------------------------
 

@@ -79,27 +79,30 @@ class SimDhtSwarm:
         with self.host_of(node).active():
             return self.sim.loop.create_task(coro_fn())
 
-    async def _join(self, node: DhtNode) -> None:
+    def new_member(self) -> DhtNode:
+        """A member on a new host, not started: it will join through up to three members
+        already up."""
+        live = [n for n in self.live_nodes() if n.address is not None]  # started
+        index = len(self.nodes)
+        host = self.sim.network.add_host(f"{self.name}-{index}", self.links.draw(self._rng))
+        bootstrap = [n.address for n in self._rng.sample(live, min(3, len(live)))]
+        with host.active():
+            node = DhtNode(key=self.sim.key(), config=self.config, bootstrap=bootstrap)
+        self.nodes.append(node)
+        self.hosts[node.node_id] = host
+        return node
+
+    async def join(self, node: DhtNode) -> None:
         with self.host_of(node).active():
             await node.start()
 
     def add(self, count: int = 1, *, batch: int = 50) -> list[DhtNode]:
-        """Start ``count`` members, ``batch`` at a time, each joining through up to three
-        members already up (the first one alone)."""
+        """Start ``count`` members, ``batch`` at a time (the first one alone)."""
         added: list[DhtNode] = []
         while len(added) < count:
-            group = []
-            live = self.live_nodes()
-            for _ in range(min(batch if live else 1, count - len(added))):  # the first alone
-                index = len(self.nodes)
-                host = self.sim.network.add_host(f"{self.name}-{index}", self.links.draw(self._rng))
-                bootstrap = [n.address for n in self._rng.sample(live, min(3, len(live)))]
-                with host.active():
-                    node = DhtNode(key=self.sim.key(), config=self.config, bootstrap=bootstrap)
-                self.nodes.append(node)
-                self.hosts[node.node_id] = host
-                group.append(node)
-            self.sim.run(asyncio.gather(*(self._join(n) for n in group)))
+            size = min(batch if self.live_nodes() else 1, count - len(added))
+            group = [self.new_member() for _ in range(size)]
+            self.sim.run(asyncio.gather(*(self.join(n) for n in group)))
             added.extend(group)
         return added
 
@@ -154,5 +157,6 @@ class SimDhtSwarm:
 
     def stop(self) -> None:
         for node in self.live_nodes():
-            with self.host_of(node).active():
-                self.sim.run(node.stop(leave=False))
+            if node.address is not None:  # started
+                with self.host_of(node).active():
+                    self.sim.run(node.stop(leave=False))

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Simulation benchmark: how much faster than real time the simulator runs, and that it replays.
+
+    python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--json]
+
+For each DHT size N (real DhtNode members, one simulated host each, the report's consumer
+links): the swarm comes up and agrees on its membership, then runs --seconds of virtual time
+with one store and read-back per second, once the news of everyone's join has stopped
+circulating; the figure is virtual seconds per real second over
+that steady stretch (the baseline is real time: 1). Determinism: the same small scenario run
+in two fresh processes (PYTHONHASHSEED=0) must print one trace digest (figure 1: they agree).
+
+The issue's target is >= 10x for 1 000 workers + 1 000 DHT members + 50 trainers on two
+cores. Workers and trainers are not in the simulator yet, so this measures the DHT part; a
+member's cost per virtual second is mostly its membership protocol (probes, gossip, syncs),
+which the same code pays in a real run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+from agora_core.logs import configure_logging
+from agora_core.sim import Simulation
+from agora_core.sim.dht_swarm import SimDhtSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REPLAY = """
+import sys
+from agora_core.logs import configure_logging
+configure_logging(level="error")
+from agora_core.sim.dht_run import run_dht_scenario
+from agora_core.sim.scenario import Scenario, Churn
+scenario = Scenario(seed=int(sys.argv[1]), members=48, duration_s=60.0, churn=Churn(joins_per_min=3, departures_per_min=3))
+print(run_dht_scenario(scenario).digest)
+"""
+
+
+def steady_speed(members: int, seconds: float, report: Report) -> float:
+    with Simulation(seed=members) as sim:
+        swarm = SimDhtSwarm(sim)
+        started = time.perf_counter()
+        swarm.add(members, batch=100)
+        joined = swarm.run_until(swarm.converged, limit_s=120.0, step_s=1.0)
+        report.note(
+            f"N={members}: up and agreed after {sim.elapsed_s:.1f} virtual s, {time.perf_counter() - started:.1f} real s"
+            + ("" if joined is not None else " (the views never agreed)")
+        )
+        # The join's news retires first: every member repeats each of the N joins about
+        # 4 log2(N) times, a burst no real run sees (its members do not all join at once).
+        drained = swarm.run_until(
+            lambda: all(n.table.pending_gossip == 0 for n in swarm.live_nodes()), limit_s=300.0, step_s=5.0
+        )
+        report.note(f"N={members}: the join's gossip retired after {drained} more virtual s")
+        real_started, virtual_started = time.perf_counter(), sim.elapsed_s
+        swarm.measure_ops(int(seconds))
+        sim.run_for(max(0.0, seconds - (sim.elapsed_s - virtual_started)))
+        speed = (sim.elapsed_s - virtual_started) / (time.perf_counter() - real_started)
+        swarm.stop()
+    return speed
+
+
+def replay_digests(seed: int) -> list[str]:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    return [
+        subprocess.run(
+            [sys.executable, "-c", REPLAY, str(seed)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 250])
+    parser.add_argument("--seconds", type=float, default=30.0, help="virtual seconds measured per size")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    configure_logging(level="error")
+    report = Report("simulation", as_json=args.json)
+    for members in args.sizes:
+        speed = steady_speed(members, args.seconds, report)
+        report.compare(
+            f"dht_{members}_members_virtual_s_per_real_s",
+            speed,
+            1.0,
+            "x real time",
+            target=">= 10 (at 2050 nodes)",
+        )
+    digests = replay_digests(seed=7)
+    report.note(f"replay digests: {digests}")
+    report.add("same_seed_same_digest_across_processes", float(len(set(digests)) == 1), "bool", target="1")
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -2,12 +2,17 @@
 """Simulate a run in virtual time: Agora's own code on a simulated network, from a seed.
 
     python tools/simulate.py run SCENARIO.toml [--seed N] [--json] [--plot timeline.png]
+    python tools/simulate.py search [--seeds 100] [--start 0] [--json]    # random faults
+    python tools/simulate.py search --replay SEED                          # one of them again
 
 The scenario (TOML, see ``agora_core.sim.scenario`` and ``examples/sim/``) says how many
 members, their links, the churn and the measured load. The report: join and settle times,
 store/get latency as a member sees it, failed and missed operations, members over time, the
 trace digest (the same scenario and seed give the same digest, bit for bit) and how much
-faster than real time it ran. --plot draws the timeline with matplotlib. The process runs
+faster than real time it ran. --plot draws the timeline with matplotlib. ``search`` runs
+random scenarios with random faults (``agora_core.sim.search``), checks the invariants
+(``agora_core.sim.invariants``) after each, and prints each failing seed with the command that
+replays it; it exits 1 when any failed. The process runs
 with PYTHONHASHSEED=0 (it restarts itself with it when unset), so a digest replays across
 processes. So far the simulator runs the DHT; workers, trainers and averaging come next.
 """
@@ -24,6 +29,7 @@ import click
 from agora_core.logs import configure_logging
 from agora_core.sim.dht_run import DhtRunResult, run_dht_scenario
 from agora_core.sim.scenario import ScenarioError, load_scenario
+from agora_core.sim.search import search_one
 
 
 def _fixed_hash_seed() -> None:
@@ -95,6 +101,40 @@ def run(scenario_file: Path, seed: int | None, as_json: bool, plot: Path | None)
             click.echo(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
         click.echo(f"replay: python tools/simulate.py run {scenario_file} --seed {scenario.seed}")
     if result.violations:
+        sys.exit(1)
+
+
+@main.command()
+@click.option(
+    "--seeds", type=click.IntRange(min=1), default=100, show_default=True, help="How many seeds to run."
+)
+@click.option("--start", type=click.IntRange(min=0), default=0, show_default=True, help="The first seed.")
+@click.option(
+    "--replay", type=click.IntRange(min=0), default=None, help="Run this one seed and report it in full."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
+def search(seeds: int, start: int, replay: int | None, as_json: bool) -> None:
+    """Run random scenarios with random faults; check the invariants after each."""
+    _fixed_hash_seed()
+    configure_logging(level="error")
+    chosen = [replay] if replay is not None else list(range(start, start + seeds))
+    failed: list[int] = []
+    checked = 0
+    for seed in chosen:
+        outcome = search_one(seed)
+        checked += 1
+        if outcome.failed:
+            failed.append(seed)
+        if not as_json:
+            click.echo(outcome.line())
+            if replay is not None:
+                for name, value in outcome.result.summary().items():
+                    click.echo(f"  {name}: {value}")
+    if as_json:
+        click.echo(json.dumps({"seeds": checked, "first": chosen[0], "failed": failed}))
+    else:
+        click.echo(f"{checked} seeds, {len(failed)} failed" + (f": {failed}" if failed else ""))
+    if failed:
         sys.exit(1)
 
 

@@ -167,3 +167,13 @@ def test_an_authorized_run_is_refused_with_a_clear_error():
             sim.network.open_server(
                 listen="127.0.0.1:0", config=None, link=None, on_frames=print, guard=object()
             )
+
+
+def test_a_host_reads_its_own_skewed_wall_clock():
+    with Simulation(seed=1) as sim:
+        ahead = sim.network.add_host("ahead")
+        ahead.skew_s = 12.5
+        plain = world.wall()
+        with ahead.active():
+            assert world.wall() - plain == pytest.approx(12.5)
+        assert world.wall() == pytest.approx(plain)

@@ -132,7 +132,7 @@ class QuorumRead:
                     timeout=self._hedge.seconds if spare else None,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
-                for task in done:
+                for task in [t for t in self.late if t in done]:  # launch order, not the set's
                     self._settle(task)
                 if done:  # replace the replicas that failed
                     self._launch(lambda key: self._need[key] - self._good[key] - self._outstanding[key])

@@ -4,9 +4,9 @@ churn while stores and read-backs are measured, then settles and is checked.
 What an operator reads from it: how long the swarm took to agree on its membership, store and
 get latency (p50/p99) as a member sees it, reads that missed a value stored before, the
 member count over time, how long the views took to agree again after the churn stopped, and
-how fast the simulation ran (virtual seconds per real second). The invariant checked at the
-end: every live member counts exactly the live members, and every value whose replicas live
-is readable.
+how fast the simulation ran (virtual seconds per real second). Faults (partitions, silent
+hosts, clock skew) come from the scenario's ``[faults]``; what must hold at the end is
+:mod:`agora_core.sim.invariants`'s.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class DhtRunResult:
     missed_reads: int = 0
     joins: int = 0
     departures: int = 0
+    partitions: int = 0
+    silences: int = 0
     timeline: list[Sample] = field(default_factory=list)
     virtual_s: float = 0.0
     real_s: float = 0.0
@@ -72,6 +74,8 @@ class DhtRunResult:
             "missed_reads": self.missed_reads,
             "joins": self.joins,
             "departures": self.departures,
+            "partitions": self.partitions,
+            "silences": self.silences,
             "messages": self.messages,
             "virtual_s": self.virtual_s,
             "real_s": self.real_s,
@@ -87,6 +91,9 @@ class _Driver:
         self.tasks: set[asyncio.Task] = set()
         self._window: list[float] = []
         self._ops = 0
+        self.stored: list[str] = []  # keys whose store was acknowledged
+        self._healed = asyncio.Event()  # no partition in force
+        self._healed.set()
 
     def _events(self, start: float, end: float) -> list[tuple[float, int, str]]:
         events: list[tuple[float, int, str]] = []
@@ -94,6 +101,8 @@ class _Driver:
             "op": self.scenario.ops_per_s,
             "join": self.scenario.churn.joins_per_min / 60.0,
             "depart": self.scenario.churn.departures_per_min / 60.0,
+            "partition": self.scenario.faults.partitions_per_min / 60.0,
+            "silence": self.scenario.faults.silences_per_min / 60.0,
         }
         for kind, rate in rates.items():
             at = start
@@ -117,6 +126,7 @@ class _Driver:
             await asyncio.sleep(max(0.0, at - self.sim.elapsed_s))
             getattr(self, f"_{kind}")()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self._healed.wait()  # a partition's heal is due within partition_s
 
     def _spawn(self, node: DhtNode, coro_fn) -> None:
         task = self.swarm.on(node, coro_fn)
@@ -138,6 +148,7 @@ class _Driver:
                 started = world.monotonic()
                 await writer.store(key, "v", 1, world.wall() + 300.0)
                 result.stores_s.append(world.monotonic() - started)
+                self.stored.append(key)
                 started = world.monotonic()
                 values = await self.swarm.on(reader, lambda: reader.get(key))
                 elapsed = world.monotonic() - started
@@ -169,6 +180,29 @@ class _Driver:
             self.swarm.kill(self.rng.choice(live))
             self.result.departures += 1
 
+    def _partition(self) -> None:
+        hosts = [self.swarm.host_of(n) for n in self.swarm.live_nodes()]
+        if not self._healed.is_set() or len(hosts) < 2:
+            return
+        self.rng.shuffle(hosts)
+        cut = self.rng.randint(1, len(hosts) - 1)
+        self.sim.network.partition([hosts[:cut], hosts[cut:]])
+        self._healed.clear()
+        self.result.partitions += 1
+        self.sim.loop.call_later(self.scenario.faults.partition_s, self._heal)
+
+    def _heal(self) -> None:
+        self.sim.network.heal()
+        self._healed.set()
+
+    def _silence(self) -> None:
+        live = self.swarm.live_nodes()
+        if live:
+            self.sim.network.silence(
+                self.swarm.host_of(self.rng.choice(live)), self.scenario.faults.silence_s
+            )
+            self.result.silences += 1
+
     def _sample(self) -> None:
         window, self._window = self._window, []
         self.result.timeline.append(
@@ -185,7 +219,9 @@ def run_dht_scenario(scenario: Scenario) -> DhtRunResult:
     result = DhtRunResult(scenario=scenario)
     real_started = time.perf_counter()
     with Simulation(seed=scenario.seed) as sim:
-        swarm = SimDhtSwarm(sim, links=scenario.links, name="dht")
+        swarm = SimDhtSwarm(
+            sim, links=scenario.links, name="dht", max_clock_skew_s=scenario.faults.max_clock_skew_s
+        )
         swarm.add(scenario.members)
         result.join_s = swarm.run_until(swarm.converged, limit_s=SETTLE_LIMIT_S)
         if result.join_s is None:

@@ -58,11 +58,13 @@ class SimDhtSwarm:
         links: LinkRange | None = None,
         config: DhtConfig | None = None,
         name: str = "dht",
+        max_clock_skew_s: float = 0.0,
     ):
         self.sim = sim
         self.links = links or LinkRange()
         self.config = config or DhtConfig()
         self.name = name
+        self.max_clock_skew_s = max_clock_skew_s
         self._rng = sim.rng()
         self.nodes: list[DhtNode] = []
         self.hosts: dict[str, SimHost] = {}  # node id -> its host
@@ -85,6 +87,8 @@ class SimDhtSwarm:
         live = [n for n in self.live_nodes() if n.address is not None]  # started
         index = len(self.nodes)
         host = self.sim.network.add_host(f"{self.name}-{index}", self.links.draw(self._rng))
+        if self.max_clock_skew_s:
+            host.skew_s = self._rng.uniform(-self.max_clock_skew_s, self.max_clock_skew_s)
         bootstrap = [n.address for n in self._rng.sample(live, min(3, len(live)))]
         with host.active():
             node = DhtNode(key=self.sim.key(), config=self.config, bootstrap=bootstrap)

@@ -44,8 +44,11 @@ class SimHost:
         self.alive = True
         self.silent_until = 0.0  # loop time
         self.group: int | None = None  # partition group; None: reaches every host
-        self.endpoints: set[SimEndpoint] = set()
-        self.tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+        self.skew_s = 0.0  # how far this host's wall clock is off (world.wall() on it)
+        # Insertion-ordered (a dict, not a set): a kill closes and cancels in the order things
+        # were made, never in the order of their memory addresses, which differ run to run.
+        self.endpoints: dict[SimEndpoint, None] = {}
+        self.tasks: weakref.WeakKeyDictionary[asyncio.Task, None] = weakref.WeakKeyDictionary()
         self._next_port = 7000
 
     def __repr__(self) -> str:
@@ -77,7 +80,7 @@ def track_tasks(loop: asyncio.AbstractEventLoop) -> None:
         task = asyncio.Task(coro, loop=loop, **kwargs)
         host = _current.get()
         if host is not None:
-            host.tasks.add(task)
+            host.tasks[task] = None
         return task
 
     loop.set_task_factory(factory)

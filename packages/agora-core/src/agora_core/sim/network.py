@@ -71,7 +71,7 @@ class SimEndpoint:
         self._on_frames = on_frames
         self.closed = False
         self._silent_until = 0.0
-        host.endpoints.add(self)
+        host.endpoints[self] = None
 
     def drop_for(self, seconds: float) -> None:
         self._silent_until = max(self._silent_until, self.network.now() + seconds)
@@ -80,6 +80,8 @@ class SimEndpoint:
         return self.network.now() < self._silent_until
 
     async def send(self, frames: list, deadline: float | None = None) -> None:
+        if not self.host.alive:
+            return  # a dead process's last gasps (its tasks' cleanup): nobody can see them
         if self.closed:
             raise ConnectionError("the endpoint is closed")
         self.send_nowait(frames)
@@ -90,7 +92,7 @@ class SimEndpoint:
 
     def close_now(self) -> None:
         self.closed = True
-        self.host.endpoints.discard(self)
+        self.host.endpoints.pop(self, None)
 
     async def close(self) -> None:
         self.close_now()
@@ -155,6 +157,8 @@ class SimClientEndpoint(SimEndpoint):
         connection.up = False
 
     def send_nowait(self, frames: list) -> bool:
+        if not self.host.alive:
+            return True
         connection = self.by_routing_id.get(bytes(frames[0]))
         if connection is None:
             raise ConnectionError("no route to the destination")  # as ROUTER_MANDATORY

@@ -21,6 +21,13 @@
     [ops]
     per_s = 1.0              # store + read-back pairs measured per virtual second
 
+    [faults]                 # Poisson too; each heals by itself
+    partitions_per_min = 0.0 # the live hosts split in two groups that cannot reach each other
+    partition_s = 10.0
+    silences_per_min = 0.0   # one host's link cut (nothing in or out, nobody told)
+    silence_s = 10.0
+    max_clock_skew_s = 0.0   # each host's wall clock off by up to this (the run allows 30 s)
+
 What it covers so far: the DHT (membership, storage, one-hop reads) under links and churn.
 Workers, trainers and averaging join the simulator in later steps (issue 23); a scenario
 that names them is refused with that said, not silently ignored.
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from agora_core.config.run import DhtConfig
 from agora_core.sim.dht_swarm import LinkRange
 
 _NOT_YET = ("stages", "workers", "trainers", "averaging")
@@ -49,6 +57,25 @@ class Churn:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Faults:
+    partitions_per_min: float = 0.0  # the live hosts cut in two groups, one partition at a time
+    partition_s: float = 10.0  # how long each lasts
+    silences_per_min: float = 0.0  # one host's link cut, nobody told
+    silence_s: float = 10.0
+    max_clock_skew_s: float = 0.0  # each host's wall clock off by a uniform draw within +-this
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ScenarioError(f"faults.{f.name} must be >= 0")
+        limit = DhtConfig().max_clock_skew_s
+        if self.max_clock_skew_s > limit:
+            raise ScenarioError(
+                f"faults.max_clock_skew_s must be <= {limit:g}: a run refuses records from clocks further off"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
 class Scenario:
     seed: int = 1
     duration_s: float = 120.0
@@ -57,6 +84,7 @@ class Scenario:
     links: LinkRange = field(default_factory=LinkRange)
     churn: Churn = field(default_factory=Churn)
     ops_per_s: float = 1.0
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         if self.members < 2:
@@ -87,7 +115,7 @@ def parse_scenario(data: dict) -> Scenario:
             raise ScenarioError(
                 f"[{name}]: the simulator runs the DHT only so far; workers, trainers and averaging come next"
             )
-    unknown = set(data) - {"run", "dht", "links", "churn", "ops"}
+    unknown = set(data) - {"run", "dht", "links", "churn", "ops", "faults"}
     if unknown:
         raise ScenarioError(f"unknown tables: {', '.join(sorted(unknown))}")
     run = _table(data, "run", {"seed", "duration_s", "sample_s"})
@@ -95,6 +123,7 @@ def parse_scenario(data: dict) -> Scenario:
     links = _table(data, "links", {"bandwidth_mbit", "one_way_ms", "jitter_ms", "loss"})
     churn = _table(data, "churn", {"joins_per_min", "departures_per_min"})
     ops = _table(data, "ops", {"per_s"})
+    faults = _table(data, "faults", {f.name for f in fields(Faults)})
     try:
         link_range = LinkRange(
             **{k: tuple(v) if isinstance(v, list) else float(v) for k, v in links.items()},
@@ -107,6 +136,7 @@ def parse_scenario(data: dict) -> Scenario:
             links=link_range,
             churn=Churn(**{k: float(v) for k, v in churn.items()}),
             ops_per_s=float(ops.get("per_s", 1.0)),
+            faults=Faults(**{k: float(v) for k, v in faults.items()}),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ScenarioError):

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from agora_core import world
 from agora_core.identity import NodeKey
-from agora_core.sim.hosts import track_tasks
+from agora_core.sim.hosts import current_host, track_tasks
 from agora_core.sim.loop import VirtualClock, VirtualLoop
 from agora_core.sim.network import SimNetwork
 from agora_core.sim.trace import Trace
@@ -33,7 +33,7 @@ class Simulation:
     def __enter__(self) -> Simulation:
         world.install(
             monotonic_fn=self.clock.monotonic,
-            wall_fn=self.clock.wall,
+            wall_fn=self._wall,
             rng_factory=self._rng,
             network_impl=self.network,
         )
@@ -50,6 +50,11 @@ class Simulation:
             asyncio.set_event_loop(None)
             world.restore()
             self._entered = False
+
+    def _wall(self) -> float:
+        """The wall clock of the host the caller runs on: virtual, plus that host's skew."""
+        host = current_host()
+        return self.clock.wall() + host.skew_s if host is not None else self.clock.wall()
 
     def _cancel_all(self) -> None:
         tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agora_core import world
 from agora_core.contract import Phase
 from agora_core.schema import WorkerAnnouncement
 
@@ -121,16 +121,16 @@ class StageBalancer:
         return entry is not None and entry.phase.visible_to_trainers and not self.gone(node_id)
 
     def usable(self, node_id: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
+        now = world.monotonic() if now is None else now
         return self.visible(node_id) and self._entries[node_id].banned_until <= now
 
     def banned(self, node_id: str) -> bool:
         entry = self._entries.get(node_id)
-        return entry is not None and entry.banned_until > time.monotonic()
+        return entry is not None and entry.banned_until > world.monotonic()
 
     @property
     def workers(self) -> list[WorkerRef]:
-        now = time.monotonic()
+        now = world.monotonic()
         return [e.ref for e in self._entries.values() if self.usable(e.ref.node_id, now)]
 
     # --- dispatch ----------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class StageBalancer:
     def choose(self, samples: int = 1, exclude: frozenset[str] = frozenset()) -> WorkerRef | None:
         """The least-loaded usable worker that takes ``samples`` in one request, charged them up
         front; None if there is none."""
-        now = time.monotonic()
+        now = world.monotonic()
         skipped: list[tuple[float, int, str]] = []
         chosen = None
         while self._heap:
@@ -212,7 +212,7 @@ class StageBalancer:
         entry = self._entries.get(token.node_id)
         if entry is not None:
             entry.active.discard(token)
-            entry.failed_at = time.monotonic()
+            entry.failed_at = world.monotonic()
             entry.banned_until = entry.failed_at + self.ban_s
             entry.failures += 1
             self.bans += 1

@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
-import random
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agora_core import world
 from agora_trainer.errors import CorpusError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")  # picked up from folders
@@ -80,7 +80,7 @@ def corpus_jobs(
     """The corpus's files (``corpus_files``) as jobs: the text files shuffled by ``seed``
     first, then each record file in order."""
     texts = [p for p in files if not _is(p, RECORD_SUFFIXES)]
-    random.Random(seed).shuffle(texts)
+    world.rng(seed).shuffle(texts)
     yield from _file_jobs(texts, batch_bytes)
     for path in files:
         if _is(path, JSONL_SUFFIXES):

@@ -23,7 +23,6 @@ import bisect
 import collections
 import json
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agora_core import world
 from agora_trainer.cursor_journal import COMPACT_EVERY, CompletionJournal
 from agora_trainer.errors import ShardError
 from agora_trainer.shard_progress import ShardProgress
@@ -70,7 +70,7 @@ class SampleCursor:
         epochs: int = 1,
         assigned: Iterable[int] | None = None,
         others: Others | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = lambda: world.wall(),
     ):
         """``assigned``: the shard ids this trainer may open (None: every one)."""
         if epochs < 1:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
+
+from agora_core import world
 
 WIDTH = 24  # characters of bar
 
@@ -15,12 +16,12 @@ class ProgressBar:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every_s = 0.2 if self.tty else log_every_s  # a log gets a line, not a redraw storm
-        self.started = time.monotonic()
+        self.started = world.monotonic()
         self._last = 0.0
 
     def update(self, done: float, total: float, *, what: str = "", force: bool = False) -> None:
         """``done`` of ``total`` (any unit, shown as a share); ``what``: text after the bar."""
-        now = time.monotonic()
+        now = world.monotonic()
         if not force and now - self._last < self.every_s:
             return
         self._last = now

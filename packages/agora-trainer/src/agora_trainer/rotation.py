@@ -24,9 +24,9 @@ order stands until a newer record replaces it (``rotation_record``).
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
+from agora_core import world
 from agora_core.dht import DhtError, DhtNode, DhtValue
 from agora_core.dht.owned import OwnedEntry
 from agora_core.errors import RpcError
@@ -48,7 +48,7 @@ def shard_claims_key(run_name: str, epoch: int) -> str:
 class OtherTrainers:
     """The other trainers' claims of one epoch, as last read (``cursor.Others``)."""
 
-    def __init__(self, me: str, shard_set: str, adopt_after_s: float, clock=time.time):
+    def __init__(self, me: str, shard_set: str, adopt_after_s: float, clock=lambda: world.wall()):
         """``shard_set``: the shard set's identity; claims on another set are not this one's."""
         self._me = me
         self._set = shard_set
@@ -236,7 +236,7 @@ class ShardRotation:
         has just left, so its claim there ends with every shard it finished)."""
         holding = self.cursor.holding()
         epochs = {self.cursor.epoch} | {p.epoch for p in holding}
-        now = time.time()
+        now = world.wall()
         for epoch in sorted(epochs | self._published):
             claim = {
                 "node_id": self._key.node_id,

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agora_core import world
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.injection.publish import retrying
@@ -159,7 +159,7 @@ def new_assignment(
     credential: Any = None,
 ) -> ShardAssignment:
     """A record issued now; ``ttl_s`` at most the run's longest-lived record (``longest_ttl_s``)."""
-    issued = time.time()
+    issued = world.wall()
     return ShardAssignment(
         id=f"shards-{int(issued)}-{secrets.token_hex(3)}",
         issued=issued,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigger
@@ -50,7 +51,7 @@ class LaneState:
     stage: int = -1
     method: str = ""
     worker: str = ""
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: world.monotonic())  # read late: the world may be simulated
 
 
 @dataclass
@@ -105,7 +106,7 @@ class PipelineRouter:
         balancer = self._balancers[stage]
         samples = tensors["tokens"].shape[0]
         tried: set[str] = set()
-        waited_until = time.monotonic() + self._config.wait_for_worker_s
+        waited_until = world.monotonic() + self._config.wait_for_worker_s
         attempts = 0
         while attempts < self._config.max_attempts:
             worker = None
@@ -121,7 +122,7 @@ class PipelineRouter:
                 if worker is None and tried:
                     worker = balancer.choose(samples)  # every worker failed once: try them again
                 if worker is None:
-                    if time.monotonic() > waited_until:
+                    if world.monotonic() > waited_until:
                         raise SampleFailed(
                             f"stage {stage} has had no usable worker for {self._config.wait_for_worker_s:g} s"
                         )
@@ -132,7 +133,7 @@ class PipelineRouter:
                 stage,
                 method,
                 worker.node_id,
-                time.monotonic(),
+                world.monotonic(),
             )
             token = balancer.begin(worker)
             started = time.perf_counter()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from agora_core import world
 from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import RunConfig
@@ -155,7 +155,7 @@ class Trainer:
         self._taken = 0
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
-        self.started_at = time.monotonic()
+        self.started_at = world.monotonic()
         # Appended per sample and flushed, so tools can follow it and a crash loses nothing.
         self._loss_log = open(self.settings.loss_log, "a", buffering=1) if self.settings.loss_log else None
         m = self.metrics
@@ -187,10 +187,10 @@ class Trainer:
             loop.create_task(self._progress_loop(), name="trainer-progress"),
             loop.create_task(self.admission.run(), name="trainer-credential"),  # revocations: refresh()
         ]
-        deadline = time.monotonic() + self.settings.wait_for_worker_s
+        deadline = world.monotonic() + self.settings.wait_for_worker_s
         while not all(b.workers for b in self.balancers):
             missing = [b.stage for b in self.balancers if not b.workers]
-            if time.monotonic() > deadline:
+            if world.monotonic() > deadline:
                 raise DhtError(f"stages {missing} have no worker after {self.settings.wait_for_worker_s:g} s")
             log.info("waiting_for_workers", stages=missing)
             await asyncio.sleep(min(1.0, self.settings.refresh_interval_s))
@@ -269,7 +269,7 @@ class Trainer:
 
     async def train(self) -> Counters:
         """Run the lanes until the shards are done, ``max_samples`` completed, or a stop."""
-        self.started_at = time.monotonic()
+        self.started_at = world.monotonic()
         await asyncio.gather(*(self._lane(state) for state in self.lanes))
         self.cursor.save()
         return self.counters
@@ -341,7 +341,7 @@ class Trainer:
         self.loss_ema = loss if self.loss_ema is None else LOSS_EMA * self.loss_ema + (1 - LOSS_EMA) * loss
         self._m_loss.set(self.loss_ema)
         if self._loss_log is not None:
-            self._loss_log.write(json.dumps({"id": sample.id, "loss": loss, "t": time.time()}) + "\n")
+            self._loss_log.write(json.dumps({"id": sample.id, "loss": loss, "t": world.wall()}) + "\n")
         self._m_samples.labels(outcome="completed").inc()
         self._m_tokens.inc(tokens)
 
@@ -362,7 +362,7 @@ class Trainer:
         log.warning("sample_requeued", sample=sample.id, error=str(error))
 
     def status(self) -> dict:
-        elapsed = max(time.monotonic() - self.started_at, 1e-9)
+        elapsed = max(world.monotonic() - self.started_at, 1e-9)
         return {
             "completed": self.counters.completed,
             "in_flight": self.counters.in_flight,

@@ -12,9 +12,9 @@ holds a valid credential (``allowed``).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
+from agora_core import world
 from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import RpcError
@@ -46,7 +46,7 @@ class Announcer:
         self._describe = describe
         self._allowed = allowed
         self.ttl_s = ttl_s
-        self.last_ok = time.monotonic()  # when an announcement last reached the DHT
+        self.last_ok = world.monotonic()  # when an announcement last reached the DHT
         self.retired = False
         self._lock = asyncio.Lock()  # no announcement in flight while it retires
 
@@ -55,7 +55,7 @@ class Announcer:
             if self.retired or not self._allowed():
                 return
             await self._entry.publish(self._describe().to_value(), self.ttl_s)
-            self.last_ok = time.monotonic()
+            self.last_ok = world.monotonic()
 
     async def run(self) -> None:
         while True:

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import safetensors.numpy
 from safetensors import SafetensorError
 
+from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.config.dump import dump_toml
 from agora_core.errors import AgoraError
@@ -187,7 +187,7 @@ class CheckpointStore:
     def save(self, snapshot: StateSnapshot) -> Path:
         """Write ``snapshot`` atomically, then delete all but the newest ``keep``; returns the
         manifest's path. Blocking file I/O and hashing: call it off the event loop."""
-        started = time.monotonic()
+        started = world.monotonic()
         base = f"stage{self.stage}-step{snapshot.step:09d}"
         file_name = f"{base}-{secrets.token_hex(4)}.safetensors"
         tensor_path = self.directory / file_name
@@ -210,7 +210,7 @@ class CheckpointStore:
             "file": file_name,
             "file_bytes": tensor_path.stat().st_size,
             "tensors": snapshot.digests(),
-            "written": time.time(),
+            "written": world.wall(),
             "run_config": dump_toml(self.run),
         }
         path = self.directory / f"{base}.json"
@@ -223,7 +223,7 @@ class CheckpointStore:
             step=snapshot.step,
             file=str(tensor_path),
             bytes=manifest["file_bytes"],
-            seconds=round(time.monotonic() - started, 3),
+            seconds=round(world.monotonic() - started, 3),
             removed=removed,
         )
         return path

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from collections.abc import Callable
 
+from agora_core import world
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_worker.checkpoint import CheckpointStore
@@ -85,7 +85,7 @@ class CheckpointWriter:
     ) -> StateSnapshot | None:
         """Write one checkpoint of the ``captured`` snapshot (default: one captured now); None
         if it failed (logged and counted)."""
-        started = time.monotonic()
+        started = world.monotonic()
         try:
             snapshot = await asyncio.wrap_future(captured or self._capture())
             await asyncio.to_thread(self.store.save, snapshot)
@@ -96,7 +96,7 @@ class CheckpointWriter:
         self.last_step = snapshot.step
         self._m_step.set(snapshot.step)
         self._m_written.inc()  # the store logged checkpoint_saved
-        self._m_seconds.set(time.monotonic() - started)
+        self._m_seconds.set(world.monotonic() - started)
         return snapshot
 
     async def close(self, *, step: int, timeout_s: float) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
+from agora_core import world
 from agora_worker import __version__
 from agora_worker.compute import transfer_info
 from agora_worker.device_metrics import device_memory_info
@@ -47,5 +47,5 @@ def worker_info(worker: Worker) -> dict:
         "credential": worker.admission.info(),
         "injections": worker.injection_watch.info(),  # armed, scheduled, obeyed record ids
         "version": __version__,
-        "time": time.time(),
+        "time": world.wall(),
     }

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 
+from agora_core import world
 from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import REFRESHES_PER_TTL, OwnedEntry, check_refresh
 from agora_core.errors import RpcError
@@ -77,7 +77,7 @@ class StageProgressTracker:
         self._pokes: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
         self.stage_samples = 0  # what the stage holds toward this worker's current step
         self.stage_step = 0  # the furthest of this worker's step and the others' reported ones
-        self.last_ok = time.monotonic()  # when a publish and read last both succeeded
+        self.last_ok = world.monotonic()  # when a publish and read last both succeeded
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last read
         self._wake = asyncio.Event()
@@ -128,7 +128,7 @@ class StageProgressTracker:
         """Store this worker's report unless the stored one says the same and is still fresh."""
         step, samples = self._local()
         address = self._address()
-        now = time.monotonic()
+        now = world.monotonic()
         if self._published == (step, samples, address) and now - self._published_at < self._refresh_s:
             return
         report = StageProgress(node_id=self._key.node_id, step=step, samples=samples, address=address)
@@ -149,7 +149,7 @@ class StageProgressTracker:
                 # decide() takes this worker's own counts from local(), so the read need not
                 # wait for the publish: both in one round trip
                 _, reports = await asyncio.gather(self.publish(), self.read())
-                self.last_ok = time.monotonic()
+                self.last_ok = world.monotonic()
                 if self.decide(reports):
                     await self._take_step()
                     await self.publish()  # tell the others at once: they may be waiting on it

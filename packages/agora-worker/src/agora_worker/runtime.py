@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agora_core import world
 from agora_core.injection import Slowdown
 from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
@@ -68,7 +69,9 @@ class Task:
     inputs: dict[str, np.ndarray]  # tokens (B, T) and, by op, boundary, grad, labels
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = field(
+        default_factory=lambda: world.monotonic()
+    )  # read late: the world may be simulated
     cancelled: bool = False
 
     @property
@@ -261,7 +264,7 @@ class Runtime:
                 future.set_exception(error)
 
     def _run_batch(self, batch: list[Task]) -> None:
-        started = time.monotonic()
+        started = world.monotonic()
         wait, compute, counted = self._children(batch[0].op)  # a batch holds one op
         for task in batch:
             wait.observe(started - task.enqueued)
@@ -278,8 +281,8 @@ class Runtime:
                 self._run_batch([task])
             return
         if self.slowdown.factor != 1.0:  # an injected slow device: the batch takes factor x as long
-            time.sleep(self.slowdown.extra_s(time.monotonic() - started))
-        elapsed = time.monotonic() - started
+            time.sleep(self.slowdown.extra_s(world.monotonic() - started))
+        elapsed = world.monotonic() - started
         self.failures_in_a_row = 0
         samples = sum(task.samples for task in batch)
         self.samples_processed += samples

@@ -83,7 +83,12 @@ class MemberTable:
         # Views worked out once per change of the table, not per probe and period: at a
         # thousand members, scanning them all several times a period per node was most of a
         # node's idle CPU. Every mutation of a member's status or of the table calls _touch.
+        self._version = 0  # counts changes of the table: the cached views below are of one
         self._others: list[Member] | None = None
+        self._live: list[Member] = []
+        self._live_key: tuple | None = None
+        self._digest = ""
+        self._digest_key: tuple | None = None
         self._aging: list[Member] | None = None  # suspect or gone: what expire() looks at
         self._first_expiry = -math.inf  # the earliest credential expiration among members
         self._on_new_member = on_new_member or (lambda node_id: None)
@@ -102,11 +107,18 @@ class MemberTable:
     # --- views ------------------------------------------------------------------------------
 
     def live(self) -> list[Member]:
-        """Alive and suspect members, this node included, ordered by id."""
-        members = [m for m in self._members.values() if m.status not in GONE]
-        if not self.leaving:
-            members.append(self.me)
-        return sorted(members, key=lambda m: m.node_id)
+        """Alive and suspect members, this node included, ordered by id (shared: do not
+        modify the list)."""
+        key = (self._version, self.leaving)
+        if self._live_key != key:
+            members = list(self.others())
+            if not self.leaving:
+                members.append(self.me)
+            self._live, self._live_key = sorted(members, key=lambda m: m.node_id), key
+        return self._live
+
+    def live_count(self) -> int:
+        return len(self.others()) + (0 if self.leaving else 1)
 
     def alive(self) -> list[Member]:
         """Members not under suspicion, this node included (the DHT's replica candidates)."""
@@ -133,6 +145,7 @@ class MemberTable:
         return self._aging
 
     def _touch(self) -> None:
+        self._version += 1
         self._others = self._aging = None
         self._first_expiry = -math.inf
 
@@ -153,8 +166,12 @@ class MemberTable:
 
     def digest(self) -> str:
         """A short hash of the membership: two nodes with the same digest agree on it."""
-        entries = sorted((m.node_id, m.incarnation, int(m.status)) for m in self.known())
-        return hashlib.blake2b(repr(entries).encode(), digest_size=16).hexdigest()
+        key = (self._version, self.me.incarnation, self.me.status)
+        if self._digest_key != key:
+            entries = sorted((m.node_id, m.incarnation, int(m.status)) for m in self.known())
+            self._digest = hashlib.blake2b(repr(entries).encode(), digest_size=16).hexdigest()
+            self._digest_key = key
+        return self._digest
 
     # --- updates ------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 
-from agora_core.dht.membership import MemberTable, Status
+from agora_core.dht.membership import MemberTable
 from agora_core.metrics import NodeMetrics
 
 OP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -42,9 +42,8 @@ class DhtMetrics:
         self.ops_done += 1
 
     def update(self, table: MemberTable, records: int) -> None:
-        live = table.live()
-        suspect = sum(1 for m in live if m.status == Status.SUSPECT)
-        self.members.labels(status="alive").set(len(live) - suspect)
+        suspect = len(table.suspects())
+        self.members.labels(status="alive").set(table.live_count() - suspect)
         self.members.labels(status="suspect").set(suspect)
         self.records.set(records)
         self.suspicions.set(table.suspicions)

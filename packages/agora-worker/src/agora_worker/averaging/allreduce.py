@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from agora_core import world
 from agora_core.injection import NO_INJECTIONS, InjectionPoints
 from agora_core.rpc import RpcClient
 from agora_worker.averaging.board import ReductionBoard
@@ -82,7 +82,7 @@ async def all_reduce(
     """One butterfly round of ``values`` (this peer's copy of the segment) within ``group``.
 
     Reduces this peer's slices (if it is a reducer) while it sends its copies of every slice to
-    their reducers; returns by ``deadline`` (time.monotonic()) with whatever came back.
+    their reducers; returns by ``deadline`` (world.monotonic()) with whatever came back.
     """
     reducers = group.reducers
     bounds = slice_bounds(len(values), len(reducers))
@@ -137,7 +137,7 @@ async def all_reduce(
 
 
 async def _ban_late_senders(reductions: list[SliceReduction], deadline: float) -> None:
-    while time.monotonic() < deadline:
+    while world.monotonic() < deadline:
         for reduction in reductions:
             reduction.check_deadlines()
         await asyncio.sleep(DEADLINE_TICK_S)

@@ -9,12 +9,12 @@ optimizer's lock, so progress made during the round is kept. Optimizer state nev
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from agora_core import world
 from agora_core.config.run import AveragingConfig
 from agora_core.contract import Phase
 from agora_core.dht import DhtNode
@@ -155,7 +155,7 @@ class Averager:
             self.active_round = self.active_group_size = None
 
     async def _run_round(self, round_index: int) -> RoundReport:
-        started = time.monotonic()
+        started = world.monotonic()
         deadline = started + self.config.round_timeout_s
         segment = round_index % self.config.segments
         ranges = self.layout.ranges(segment)
@@ -186,7 +186,7 @@ class Averager:
             log.warning("averaging_matchmaking_failed", round=round_index, error=str(exc))
             return self._finish(
                 RoundReport(
-                    round_index, segment, 1, 0.0, 0.0, time.monotonic() - started, 0, matchmaking_failed=True
+                    round_index, segment, 1, 0.0, 0.0, world.monotonic() - started, 0, matchmaking_failed=True
                 )
             )
         if len(group.members) < 2 or not group.reducers:
@@ -197,7 +197,7 @@ class Averager:
                     len(group.members),
                     1.0,
                     0.0,
-                    time.monotonic() - started,
+                    world.monotonic() - started,
                     0,
                     reducers=len(group.reducers),
                 )
@@ -223,7 +223,7 @@ class Averager:
             group_size=len(group.members),
             reduce_success=result.reduce_success,
             averaging_success=result.averaged_fraction,
-            seconds=time.monotonic() - started,
+            seconds=world.monotonic() - started,
             bytes_moved=result.wire_bytes,
             excluded=result.excluded,
             steps_during=steps_during,

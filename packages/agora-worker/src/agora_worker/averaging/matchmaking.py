@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from dataclasses import asdict, dataclass
 
+from agora_core import world
 from agora_core.contract import Phase
 from agora_core.dht import DhtNode, RecordRejected
 from agora_core.dht.owned import OwnedEntry
@@ -90,10 +90,10 @@ class Matchmaker:
             self._dht, self._key, averaging_round_key(self._run_name, self._stage, round_index)
         )
         await entry.publish(asdict(me), self._ttl_s)
-        deadline = time.monotonic() + window_s
+        deadline = world.monotonic() + window_s
         while True:
             peers = {peer.node_id: peer for peer in parse_entries(await entry.read_all(), Peer.from_value)}
             peers[me.node_id] = me
-            if expected <= peers.keys() or time.monotonic() >= deadline:
+            if expected <= peers.keys() or world.monotonic() >= deadline:
                 return Group(round_index, tuple(sorted(peers.values(), key=lambda p: p.node_id)))
             await asyncio.sleep(self._poll_s)

@@ -9,12 +9,12 @@ outbox. No networking here: the reduction is driven by calls and read through it
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.logs import get_logger
 from agora_worker.averaging.matchmaking import Group
 
@@ -44,8 +44,8 @@ class SliceReduction:
     stop: int
     chunk: int  # values per chunk
     chunk_timeout_s: float
-    deadline: float  # time.monotonic() by which the round ends, reduced or not
-    clock: Callable[[], float] = time.monotonic  # when chunks arrive (tests drive their own)
+    deadline: float  # world.monotonic() by which the round ends, reduced or not
+    clock: Callable[[], float] = lambda: world.monotonic()  # when chunks arrive (tests drive their own)
     # chunk -> sender -> (its values, whether its difference may overwrite them)
     _inputs: dict[int, dict[str, tuple[np.ndarray, bool]]] = field(default_factory=dict)
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)

@@ -8,12 +8,12 @@ once. Where this peer reduces the slice itself, its copy goes straight into the 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
@@ -76,7 +76,7 @@ async def contribute(
             pass
         return result
     meta = {"round": group.round, "group": group.digest, "slice": slice_index, "sender": me}
-    remaining = deadline - time.monotonic()
+    remaining = deadline - world.monotonic()
     if remaining <= 0:
         return result
     try:

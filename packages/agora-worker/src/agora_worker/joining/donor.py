@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.auth.access import only
 from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
@@ -40,7 +40,9 @@ MAX_SNAPSHOTS = 2
 class _Held:
     snapshot: StateSnapshot
     weights_only: bool  # no AdamW state: for tools exporting the model
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(
+        default_factory=lambda: world.monotonic()
+    )  # read late: the world may be simulated
     views: dict[str, np.ndarray] = field(default_factory=dict)  # name -> its bytes, flat uint8
 
 
@@ -98,7 +100,7 @@ class StateDonor:
         self._held.clear()
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = world.monotonic()
         for snapshot_id, held in list(self._held.items()):
             if now - held.last_used > self._config.snapshot_ttl_s:
                 del self._held[snapshot_id]
@@ -121,12 +123,12 @@ class StateDonor:
             step = self._state.optimizer.step
             for snapshot_id, held in self._held.items():  # a full snapshot serves either kind
                 if held.snapshot.step == step and (weights_only or not held.weights_only):
-                    held.last_used = time.monotonic()
+                    held.last_used = world.monotonic()
                     return snapshot_id, held
-            started = time.monotonic()
+            started = world.monotonic()
             capture = functools.partial(self._state.capture, with_optimizer=not weights_only)
             snapshot = await asyncio.wrap_future(self._runtime.call(capture))
-            copied_s = time.monotonic() - started
+            copied_s = world.monotonic() - started
             await asyncio.to_thread(snapshot.digests)  # hashing releases the GIL
             held = _Held(snapshot, weights_only=weights_only)
             held.views = {n: a.reshape(-1).view(np.uint8) for n, a in snapshot.tensors.items()}
@@ -145,7 +147,7 @@ class StateDonor:
                 tensors=len(snapshot.tensors),
                 bytes=snapshot.nbytes,
                 copy_s=round(copied_s, 3),
-                digest_s=round(time.monotonic() - started - copied_s, 3),
+                digest_s=round(world.monotonic() - started - copied_s, 3),
             )
             return snapshot_id, held
 
@@ -173,7 +175,7 @@ class StateDonor:
                 f"range [{offset}, +{length}) is outside {name} ({view.nbytes} bytes) "
                 f"or longer than a piece ({self._config.piece_bytes} bytes)"
             )
-        held.last_used = time.monotonic()
+        held.last_used = world.monotonic()
         data = view[offset : offset + length]
         self._m_served.inc(data.nbytes)
         return Payload({"offset": offset}, {"data": data})

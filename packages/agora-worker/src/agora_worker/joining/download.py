@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, RpcError
@@ -160,7 +160,7 @@ class StateDownload:
         self._jobs = {n: _Job(spec=expected[n], piece_bytes=config.piece_bytes) for n in names}
         self.total_bytes = sum(job.spec.nbytes for job in self._jobs.values())
         self._changed = asyncio.Event()
-        self._started = time.monotonic()
+        self._started = world.monotonic()
         self.failed_pieces = 0
         self.refetched_tensors = 0
         self.pieces_arrived = 0  # of every try, for the download trigger's count
@@ -287,7 +287,7 @@ class StateDownload:
 
     def progress(self) -> DownloadProgress:
         alive = sum(d.alive for d in self.donors)
-        return DownloadProgress(self.done_bytes, self.total_bytes, time.monotonic() - self._started, alive)
+        return DownloadProgress(self.done_bytes, self.total_bytes, world.monotonic() - self._started, alive)
 
     async def _report(self) -> None:
         while True:
@@ -297,7 +297,7 @@ class StateDownload:
 
     async def run(self) -> StateSnapshot:
         """Fetch everything; raises StateDownloadFailed when the donors run out."""
-        self._started = time.monotonic()
+        self._started = world.monotonic()
         reporter = asyncio.get_running_loop().create_task(self._report())
         fetchers = [
             asyncio.get_running_loop().create_task(self._fetcher(donor))

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agora_core import world
 from agora_core.config.run import RunConfig
 from agora_core.contract import Phase
 from agora_core.dht import DhtError, DhtNode
@@ -179,7 +179,7 @@ class Joiner:
             addresses = [a.address for a in view.donors]
             if not addresses:
                 continue
-            started = time.monotonic()
+            started = world.monotonic()
             log.info(
                 "state_download_started",
                 attempt=attempt,
@@ -196,7 +196,7 @@ class Joiner:
                     on_progress=self._report,
                     injections=self._injections,
                 )
-                downloaded = time.monotonic()
+                downloaded = world.monotonic()
                 await asyncio.wrap_future(
                     self._runtime.call(functools.partial(self._state.install, snapshot))
                 )
@@ -204,7 +204,7 @@ class Joiner:
             except (StateDownloadFailed, AgoraError) as exc:
                 log.warning("state_download_failed", attempt=attempt, error=str(exc))
                 continue
-            seconds, install_s = downloaded - started, time.monotonic() - downloaded
+            seconds, install_s = downloaded - started, world.monotonic() - downloaded
             used = [d.node_id for d in download.donors if d.fetched_bytes]
             log.info(
                 "state_downloaded",

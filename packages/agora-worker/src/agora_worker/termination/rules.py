@@ -68,7 +68,7 @@ class Rule:
         raise NotImplementedError
 
     def check(self, now: float) -> Verdict | None:
-        """Measure at ``now`` (time.monotonic()); a verdict when the threshold is reached."""
+        """Measure at ``now`` (world.monotonic()); a verdict when the threshold is reached."""
         self.value = float(self.measure(now))
         if self.value < self.threshold:
             return None
@@ -95,7 +95,7 @@ class Unreachable(Rule):
     """Seconds since the worker last had another live DHT member *and* a DHT operation succeed.
 
     ``peers()`` counts the other live members in its view; ``last_ok()`` is when its last
-    announcement or progress exchange succeeded (time.monotonic()). A worker that never had a
+    announcement or progress exchange succeeded (world.monotonic()). A worker that never had a
     peer (the first node of a new DHT, waiting for others) lost nothing and is not counted
     alone; a worker given bootstrap addresses had its peers at join.
     """

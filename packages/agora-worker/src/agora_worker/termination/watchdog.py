@@ -11,10 +11,10 @@ a deadline. Then ``fired`` is set: the process leaves the DHT, stops and exits w
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from agora_core import world
 from agora_core.config.lifecycle import TerminationConfig
 from agora_core.contract import DepartureReason
 from agora_core.dht import DhtError, DhtNode
@@ -90,8 +90,8 @@ class Watchdog:
         return 0 if self.verdict is None else self.verdict.exit_code
 
     def check(self, now: float | None = None) -> Verdict | None:
-        """Evaluate every rule at ``now`` (time.monotonic()); the first verdict, if any tripped."""
-        now = time.monotonic() if now is None else now
+        """Evaluate every rule at ``now`` (world.monotonic()); the first verdict, if any tripped."""
+        now = world.monotonic() if now is None else now
         tripped = None
         for rule in self.rules:
             verdict = rule.check(now)
@@ -146,7 +146,7 @@ class Watchdog:
             threshold=verdict.threshold,
             unit=verdict.unit,
             step=step,
-            time=time.time(),
+            time=world.wall(),
             exit_code=verdict.exit_code,
             detail=verdict.detail,
         )

@@ -31,6 +31,13 @@ wall: Callable[[], float] = time.time
 # time.time_ns(): the same in integer nanoseconds (incarnation numbers).
 wall_ns: Callable[[], int] = time.time_ns
 
+# Occupy the calling compute thread for some seconds (a surrogate stage's stand-in for compute,
+# an injected slowdown): time.sleep. Under a simulation there is no compute thread: the seconds
+# are billed, and the compute lane that ran the work waits them out in virtual time
+# (take_held() says how many).
+hold: Callable[[float], None] = time.sleep
+take_held: Callable[[], float] = lambda: 0.0  # noqa: E731 - a binding like the others
+
 _rng_factory: Callable[[Any], random.Random] = random.Random
 _network: Network | None = None
 _simulated = False
@@ -64,14 +71,17 @@ def install(
     wall_fn: Callable[[], float],
     rng_factory: Callable[[Any], random.Random],
     network_impl: Network,
+    hold_fn: Callable[[float], None],
+    take_held_fn: Callable[[], float],
 ) -> None:
     """Replace the world (the simulator calls this; :func:`restore` undoes it)."""
-    global monotonic, wall, wall_ns, _rng_factory, _network, _simulated
+    global monotonic, wall, wall_ns, hold, take_held, _rng_factory, _network, _simulated
     if _simulated:
         raise RuntimeError("a simulated world is installed already: restore() it first")
     monotonic = monotonic_fn
     wall = wall_fn
     wall_ns = lambda: int(wall_fn() * 1e9)  # noqa: E731 - a binding like the others
+    hold, take_held = hold_fn, take_held_fn
     _rng_factory = rng_factory
     _network = network_impl
     _simulated = True
@@ -79,8 +89,9 @@ def install(
 
 def restore() -> None:
     """Back to the real world."""
-    global monotonic, wall, wall_ns, _rng_factory, _network, _simulated
+    global monotonic, wall, wall_ns, hold, take_held, _rng_factory, _network, _simulated
     monotonic, wall, wall_ns = time.monotonic, time.time, time.time_ns
+    hold, take_held = time.sleep, lambda: 0.0
     _rng_factory = random.Random
     _network = None
     _simulated = False

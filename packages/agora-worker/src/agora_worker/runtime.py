@@ -26,7 +26,6 @@ import concurrent.futures
 import contextlib
 import enum
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +120,8 @@ class Runtime:
         )
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._lane: asyncio.Task | None = None  # the compute task in a simulation (no thread)
+        self._work = asyncio.Event()  # set when work arrives for the simulated lane
         self._stopping = False
         self.samples_processed = 0
         self.samples_by_op: collections.Counter[Op] = collections.Counter()
@@ -158,6 +159,11 @@ class Runtime:
     # --- the event loop's side -------------------------------------------------------------------
 
     def start(self) -> None:
+        if world.simulated():  # no thread outside virtual time: a task on the loop computes
+            self._lane = asyncio.get_running_loop().create_task(
+                self._run_in_virtual_time(), name="agora-compute"
+            )
+            return
         self._thread = threading.Thread(target=self._run, name="agora-compute", daemon=True)
         self._thread.start()
 
@@ -165,6 +171,7 @@ class Runtime:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._work.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
 
@@ -182,6 +189,7 @@ class Runtime:
         with self._cond:
             (self._forward if op.queue == "forward" else self._backward).append(task)
             self._cond.notify()
+        self._work.set()
         try:
             return await task.future
         finally:
@@ -193,6 +201,7 @@ class Runtime:
         with self._cond:
             self._controls.append((work, future))
             self._cond.notify()
+        self._work.set()
         return future
 
     # --- the compute thread -----------------------------------------------------------------------
@@ -247,7 +256,31 @@ class Runtime:
             if what == "control":
                 self._run_control(*payload)
             else:
-                self._run_batch(payload)
+                self._deliver(self._run_batch(payload))
+
+    async def _run_in_virtual_time(self) -> None:
+        """The compute thread's loop as a task of a simulation: the same batches, their compute
+        time (what the stage held, ``world.hold``) waited out in virtual time before the
+        answers go back."""
+        while True:
+            self._work.clear()
+            with self._cond:
+                item = self._next()
+            if item is None:
+                if self._stopping:
+                    return
+                await self._work.wait()
+                continue
+            what, payload = item
+            world.take_held()  # what anything else held before: not this lane's
+            if what == "control":
+                self._run_control(*payload)
+                await asyncio.sleep(world.take_held())
+            else:
+                answers = self._run_batch(payload)
+                held = world.take_held()
+                await asyncio.sleep(held + self.slowdown.extra_s(held))  # an injected slow device too
+                self._deliver(answers)
 
     @staticmethod
     def _run_control(work: Callable[[], Any], future: concurrent.futures.Future) -> None:
@@ -263,7 +296,8 @@ class Runtime:
             else:
                 future.set_exception(error)
 
-    def _run_batch(self, batch: list[Task]) -> None:
+    def _run_batch(self, batch: list[Task]) -> list[tuple[Task, Any, BaseException | None]]:
+        """Compute one batch; returns each task's answer (result or error), to deliver."""
         started = world.monotonic()
         wait, compute, counted = self._children(batch[0].op)  # a batch holds one op
         for task in batch:
@@ -275,13 +309,11 @@ class Runtime:
                 self.failed_requests += 1
                 self.failures_in_a_row += 1
                 log.warning("request_failed", op=batch[0].op, error=f"{type(exc).__name__}: {exc}")
-                self._deliver([(batch[0], None, exc)])
-                return
-            for task in batch:  # find the poisoned request: the others still get answers
-                self._run_batch([task])
-            return
+                return [(batch[0], None, exc)]
+            # find the poisoned request: the others still get answers
+            return [answer for task in batch for answer in self._run_batch([task])]
         if self.slowdown.factor != 1.0:  # an injected slow device: the batch takes factor x as long
-            time.sleep(self.slowdown.extra_s(world.monotonic() - started))
+            world.hold(self.slowdown.extra_s(world.monotonic() - started))
         elapsed = world.monotonic() - started
         self.failures_in_a_row = 0
         samples = sum(task.samples for task in batch)
@@ -292,7 +324,7 @@ class Runtime:
         compute.observe(elapsed)
         self._m_batch.observe(samples)
         counted.inc(samples)
-        self._deliver([(task, result, None) for task, result in zip(batch, results, strict=True)])
+        return [(task, result, None) for task, result in zip(batch, results, strict=True)]
 
     def _children(self, op: Op) -> tuple:
         children = self._m_children.get(op)

@@ -29,6 +29,7 @@ class Simulation:
         self.trace = Trace()
         self.network = SimNetwork(self.loop, random.Random(self._seeds.getrandbits(64)), self.trace)
         self._entered = False
+        self._held_s = 0.0  # compute time billed by world.hold since the last take
 
     def __enter__(self) -> Simulation:
         world.install(
@@ -36,6 +37,8 @@ class Simulation:
             wall_fn=self._wall,
             rng_factory=self._rng,
             network_impl=self.network,
+            hold_fn=self._hold,
+            take_held_fn=self._take_held,
         )
         asyncio.set_event_loop(self.loop)
         self._entered = True
@@ -55,6 +58,14 @@ class Simulation:
         """The wall clock of the host the caller runs on: virtual, plus that host's skew."""
         host = current_host()
         return self.clock.wall() + host.skew_s if host is not None else self.clock.wall()
+
+    def _hold(self, seconds: float) -> None:
+        if seconds > 0:
+            self._held_s += seconds
+
+    def _take_held(self) -> float:
+        held, self._held_s = self._held_s, 0.0
+        return held
 
     def _cancel_all(self) -> None:
         tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]

@@ -9,11 +9,10 @@ payload; fault injection: ``fail_token`` makes a batch holding it fail in comput
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
+from agora_core import world
 from agora_core.config.run import ModelConfig
 from agora_core.contract import StageRole
 from agora_worker.model.loss import per_sample_loss
@@ -62,7 +61,5 @@ class SurrogateStage(nn.Module):
         per_sample = (
             self.surrogate.forward_delay_s if direction == "forward" else self.surrogate.backward_delay_s
         )
-        if per_sample > 0:
-            time.sleep(
-                per_sample * self.delay_scale * samples
-            )  # stands in for compute: this is the compute thread
+        if per_sample > 0:  # stands in for compute: this is the compute thread (or a simulated one)
+            world.hold(per_sample * self.delay_scale * samples)

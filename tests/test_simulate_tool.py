@@ -67,7 +67,7 @@ def test_a_scenario_with_an_unknown_key_is_refused_with_its_name(tmp_path):
 
 
 def test_a_scenario_naming_workers_is_refused_until_the_simulator_runs_them():
-    with pytest.raises(ScenarioError, match="DHT only so far"):
+    with pytest.raises(ScenarioError, match=r"in a \[swarm\] table"):
         parse_scenario({"workers": {"per_stage": 4}})
     with pytest.raises(ScenarioError, match="at least 2"):
         parse_scenario({"dht": {"members": 1}})

@@ -14,14 +14,18 @@ random scenarios with random faults (``agora_core.sim.search``), checks the inva
 (``agora_core.sim.invariants``) after each, and prints each failing seed with the command that
 replays it; it exits 1 when any failed. The process runs
 with PYTHONHASHSEED=0 (it restarts itself with it when unset), so a digest replays across
-processes. So far the simulator runs the DHT; workers, trainers and averaging come next.
+processes. A scenario with a ``[swarm]`` table runs real workers and trainers too
+(``tools/sim_swarm.py``): tokens/s, per-stage utilization, the bottleneck, averaging, samples
+lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 import click
@@ -30,6 +34,7 @@ from agora_core.logs import configure_logging
 from agora_core.sim.dht_run import DhtRunResult, run_dht_scenario
 from agora_core.sim.scenario import ScenarioError, load_scenario
 from agora_core.sim.search import search_one
+from sim_swarm import parse_swarm, run_swarm_scenario  # tools/ is on sys.path: this script's folder
 
 
 def _fixed_hash_seed() -> None:
@@ -79,6 +84,13 @@ def run(scenario_file: Path, seed: int | None, as_json: bool, plot: Path | None)
     _fixed_hash_seed()
     configure_logging(level="error")  # the nodes' own logs would drown the report
     try:
+        data = tomllib.loads(scenario_file.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise click.ClickException(f"cannot read scenario {scenario_file}: {exc}") from None
+    if "swarm" in data:
+        run_swarm(data, scenario_file, seed, as_json)
+        return
+    try:
         scenario = load_scenario(scenario_file)
     except ScenarioError as exc:
         raise click.ClickException(str(exc)) from None
@@ -101,6 +113,30 @@ def run(scenario_file: Path, seed: int | None, as_json: bool, plot: Path | None)
             click.echo(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
         click.echo(f"replay: python tools/simulate.py run {scenario_file} --seed {scenario.seed}")
     if result.violations:
+        sys.exit(1)
+
+
+def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) -> None:
+    """A [swarm] scenario: workers and trainers too (see tools/sim_swarm.py)."""
+    try:
+        scenario = parse_swarm(data)
+    except ScenarioError as exc:
+        raise click.ClickException(str(exc)) from None
+    if seed is not None:
+        scenario = dataclasses.replace(scenario, seed=seed)
+    if not as_json:
+        click.echo(
+            f"simulating {scenario.stages} stages x {scenario.workers_per_stage} workers, {scenario.trainers} "
+            f"trainer(s), for {scenario.duration_s:g} virtual s (seed {scenario.seed})"
+        )
+    summary = run_swarm_scenario(scenario).summary
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        for name, value in summary.items():
+            click.echo(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
+        click.echo(f"replay: python tools/simulate.py run {scenario_file} --seed {scenario.seed}")
+    if summary["lost"]:
         sys.exit(1)
 
 

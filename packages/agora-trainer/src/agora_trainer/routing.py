@@ -15,7 +15,6 @@ that still cannot finish raises :class:`SampleFailed` and goes back to the queue
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,7 +135,7 @@ class PipelineRouter:
                 world.monotonic(),
             )
             token = balancer.begin(worker)
-            started = time.perf_counter()
+            started = world.monotonic()
             try:
                 reply = await self._client.call(
                     worker.address,
@@ -156,7 +155,7 @@ class PipelineRouter:
                 continue
             finally:
                 lane.method = ""
-            elapsed = time.perf_counter() - started
+            elapsed = world.monotonic() - started
             if self.slowdown.factor != 1.0:
                 await asyncio.sleep(self.slowdown.extra_s(elapsed))
             balancer.complete(token, samples, elapsed)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from agora_core import world
 from agora_core.config.run import OptimizerConfig
 from agora_worker.transfers import BUCKET_BYTES, TransferEngine
 
@@ -165,7 +165,7 @@ class HostOptimizer:
     def apply(self) -> StepReport:
         """Take the step: average, clip, AdamW, zero. Runs on the compute thread."""
         with self.lock:
-            started = time.perf_counter()
+            started = world.monotonic()
             samples, self.samples = self.samples, 0
             lr = learning_rate(self.step, self.config)
             self._widen()
@@ -188,7 +188,7 @@ class HostOptimizer:
             # after the step count: a watchdog that reads this (on another thread) sees the step too
             if samples and present:
                 self.nonfinite_in_a_row = 0 if applied else self.nonfinite_in_a_row + 1
-            seconds = time.perf_counter() - started
+            seconds = world.monotonic() - started
             self.step_seconds += seconds
             return StepReport(self.step, samples, norm, lr, applied, seconds)
 

@@ -279,7 +279,9 @@ class Runtime:
             else:
                 answers = self._run_batch(payload)
                 held = world.take_held()
-                await asyncio.sleep(held + self.slowdown.extra_s(held))  # an injected slow device too
+                held += self.slowdown.extra_s(held)  # an injected slow device too
+                self.compute_seconds += held
+                await asyncio.sleep(held)
                 self._deliver(answers)
 
     @staticmethod

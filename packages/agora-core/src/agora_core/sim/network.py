@@ -23,14 +23,15 @@ from agora_core.sim.links import LinkModel, crossing_s, one_way_s
 from agora_core.sim.trace import Trace
 
 
-class SimFrame(bytes):
-    """A received frame: bytes, with the ``.bytes`` a ``zmq.Frame`` has."""
+class SimFrame(bytearray):
+    """A received frame: a writable buffer (as a ``zmq.Frame``'s is: decoded tensors may be
+    written in place), with the ``.bytes`` a ``zmq.Frame`` has."""
 
     __slots__ = ()
 
     @property
     def bytes(self) -> bytes:
-        return self
+        return bytes(self)
 
 
 class _Connection:

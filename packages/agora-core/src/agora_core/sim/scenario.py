@@ -28,9 +28,8 @@
     silence_s = 10.0
     max_clock_skew_s = 0.0   # each host's wall clock off by up to this (the run allows 30 s)
 
-What it covers so far: the DHT (membership, storage, one-hop reads) under links and churn.
-Workers, trainers and averaging join the simulator in later steps (issue 23); a scenario
-that names them is refused with that said, not silently ignored.
+What it covers: the DHT (membership, storage, one-hop reads) under links, churn and faults.
+Workers and trainers need their packages: ``tools/sim_swarm.py`` runs a ``[swarm]`` table.
 """
 
 from __future__ import annotations
@@ -113,7 +112,8 @@ def parse_scenario(data: dict) -> Scenario:
     for name in _NOT_YET:
         if name in data:
             raise ScenarioError(
-                f"[{name}]: the simulator runs the DHT only so far; workers, trainers and averaging come next"
+                f"[{name}]: agora_core.sim runs DHT scenarios; workers and trainers go in a [swarm] table, "
+                "which tools/simulate.py runs (it needs the worker and trainer packages)"
             )
     unknown = set(data) - {"run", "dht", "links", "churn", "ops", "faults"}
     if unknown:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Simulation benchmark: how much faster than real time the simulator runs, and that it replays.
 
-    python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--json]
+    python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--workers 4] [--json]
 
 For each DHT size N (real DhtNode members, one simulated host each, the report's consumer
 links): the swarm comes up and agrees on its membership, then runs --seconds of virtual time
@@ -10,10 +10,15 @@ circulating; the figure is virtual seconds per real second over
 that steady stretch (the baseline is real time: 1). Determinism: the same small scenario run
 in two fresh processes (PYTHONHASHSEED=0) must print one trace digest (figure 1: they agree).
 
+Swarm: 4 stages x --workers real workers (surrogate stages of mixed speed) and --workers / 2
+trainers of 4 lanes on the same links (``tools/sim_swarm.py``), --seconds of training after
+start-up: virtual seconds per real second of that stretch, and the samples it trained per
+virtual second.
+
 The issue's target is >= 10x for 1 000 workers + 1 000 DHT members + 50 trainers on two
-cores. Workers and trainers are not in the simulator yet, so this measures the DHT part; a
-member's cost per virtual second is mostly its membership protocol (probes, gossip, syncs),
-which the same code pays in a real run.
+cores. A DHT member's cost per virtual second is mostly its membership protocol (probes,
+gossip, syncs); a swarm's is its hops (encode, route, decode, the surrogate's torch call),
+the same code a real run pays.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from agora_core.sim import Simulation
 from agora_core.sim.dht_swarm import SimDhtSwarm
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from sim_swarm import SwarmScenario, run_swarm_scenario  # noqa: E402 - tools/ is not a package
 
 REPLAY = """
 import sys
@@ -86,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 250])
     parser.add_argument("--seconds", type=float, default=30.0, help="virtual seconds measured per size")
+    parser.add_argument("--workers", type=int, default=4, help="workers per stage of the swarm (4 stages)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     configure_logging(level="error")
@@ -99,6 +107,23 @@ def main() -> None:
             "x real time",
             target=">= 10 (at 2050 nodes)",
         )
+    swarm = SwarmScenario(
+        seed=1,
+        duration_s=args.seconds,
+        stages=4,
+        workers_per_stage=args.workers,
+        trainers=max(1, args.workers // 2),
+        lanes=4,
+        speed=(0.5, 1.5),
+    )
+    summary = run_swarm_scenario(swarm).summary
+    report.note(
+        f"swarm of {summary['workers']} workers, {summary['trainers']} trainers: {summary['completed']} samples, "
+        f"{summary['lost']} lost, {summary['averaging_rounds']} averaging rounds, bottleneck stage {summary['bottleneck_stage']}"
+    )
+    name = f"swarm_{summary['workers']}_workers"
+    report.compare(f"{name}_virtual_s_per_real_s", summary["steady_virtual_s_per_real_s"], 1.0, "x real time")
+    report.add(f"{name}_samples_per_virtual_s", summary["samples_per_s"], "samples/s")
     digests = replay_digests(seed=7)
     report.note(f"replay digests: {digests}")
     report.add("same_seed_same_digest_across_processes", float(len(set(digests)) == 1), "bool", target="1")

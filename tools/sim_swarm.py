@@ -14,6 +14,7 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaging = true
     averaging_every_steps = 20  # a round per this many optimizer steps (the report's 20)
     matchmaking_s = 40.0      # the matchmaking window (the report's 40 s)
+    averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
 
 Every node is the packages' own: ``agora_worker.Worker`` (queues, coalescing, optimizer,
 averaging, progress, announcements) on a surrogate stage whose compute time is waited out in
@@ -61,6 +62,7 @@ class SwarmScenario:
     averaging: bool = True
     averaging_every_steps: int = 20
     matchmaking_s: float = 40.0
+    averaged_parameters: int = 0
     links: LinkRange = field(default_factory=LinkRange)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,7 @@ def _run_config(scenario: SwarmScenario, folder: Path):
         f'name = "sim"\nseed = {scenario.seed}\n[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 2\n'
         f"subspace_rank = 16\nseq_len = {SEQ_LEN}\nvocab_size = 256\nstage_layers = [{layers}]\n"
         f"[model.surrogate]\nforward_delay_s = {scenario.forward_ms / 1000}\nbackward_delay_s = {scenario.backward_ms / 1000}\n"
+        f"dummy_parameters = {scenario.averaged_parameters}\n"
         f"[optimizer]\ntarget_batch_size = {scenario.target_batch_size}\n"
         f"[averaging]\nenabled = {'true' if scenario.averaging else 'false'}\n"
         f"cadence_steps = {scenario.averaging_every_steps}\nmatchmaking_window_s = {scenario.matchmaking_s}\n"
@@ -172,9 +175,12 @@ def run_swarm_scenario(scenario: SwarmScenario, *, shards: Path | None = None) -
                 trainers.append(trainer)
             started_s = sim.elapsed_s
             busy_before = [w.runtime.compute_seconds for w in workers]
+            steady_started = time.perf_counter()
             sim.run_for(scenario.duration_s)
+            steady_real_s = time.perf_counter() - steady_started
             elapsed_s = sim.elapsed_s - started_s
             summary = _summary(scenario, workers, trainers, busy_before, elapsed_s)
+            summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
             summary["digest"] = sim.digest()
             summary["messages"] = sim.trace.messages
             for trainer in trainers:

@@ -34,7 +34,6 @@ from agora_core.logs import configure_logging
 from agora_core.sim.dht_run import DhtRunResult, run_dht_scenario
 from agora_core.sim.scenario import ScenarioError, load_scenario
 from agora_core.sim.search import search_one
-from sim_swarm import parse_swarm, run_swarm_scenario  # tools/ is on sys.path: this script's folder
 
 
 def _fixed_hash_seed() -> None:
@@ -88,6 +87,8 @@ def run(scenario_file: Path, seed: int | None, as_json: bool, plot: Path | None)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise click.ClickException(f"cannot read scenario {scenario_file}: {exc}") from None
     if "swarm" in data:
+        if plot is not None:
+            raise click.ClickException("--plot draws DHT scenarios' timelines so far, not a [swarm]'s")
         run_swarm(data, scenario_file, seed, as_json)
         return
     try:
@@ -118,6 +119,8 @@ def run(scenario_file: Path, seed: int | None, as_json: bool, plot: Path | None)
 
 def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) -> None:
     """A [swarm] scenario: workers and trainers too (see tools/sim_swarm.py)."""
+    from sim_swarm import parse_swarm, run_swarm_scenario  # torch: only where workers run
+
     try:
         scenario = parse_swarm(data)
     except ScenarioError as exc:

@@ -2,9 +2,9 @@
 
     with Simulation(seed=7) as sim:
         host = sim.network.add_host("dht-0", LinkModel(latency_s=0.05))
-        with host.active():
+        with host.active():  # what runs here, and every task it starts, is on that host
             node = DhtNode(key=sim.key())
-        sim.run(node.start())
+            sim.run(node.start())
         sim.run_for(60.0)  # a virtual minute, in a fraction of a real second
 
 Inside, :mod:`agora_core.world` reads the virtual clock, draws randomness from the seed and

@@ -69,3 +69,22 @@ def test_a_swarm_table_with_an_unknown_key_is_refused():
         parse_swarm({"swarm": {"replicas": 3}})
     with pytest.raises(ScenarioError, match="speed"):
         parse_swarm({"swarm": {"speed": [2.0, 1.0]}})
+
+
+def test_workers_dying_and_joining_mid_run_lose_no_sample_and_the_run_replays():
+    churning = SwarmScenario(
+        **{
+            **SMALL.__dict__,
+            "seed": 5,
+            "duration_s": 60.0,
+            "worker_departures_per_min": 6.0,
+            "worker_joins_per_min": 6.0,
+        }
+    )
+    first = run_swarm_scenario(churning).summary
+    assert first["worker_departures"] >= 1 and first["worker_joins"] >= 1  # the churn happened
+    assert first["lost"] == 0 and first["completed_twice"] == 0
+    assert first["joiners_ready"] >= 1  # a joiner downloaded its stage's state and served
+    assert first["completed"] > 40
+    second = run_swarm_scenario(churning).summary
+    assert second["digest"] == first["digest"]  # state downloads and kills replay too

@@ -15,6 +15,8 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaging_every_steps = 20  # a round per this many optimizer steps (the report's 20)
     matchmaking_s = 40.0      # the matchmaking window (the report's 40 s)
     averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
+    worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
+    worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
 
 Every node is the packages' own: ``agora_worker.Worker`` (queues, coalescing, optimizer,
 averaging, progress, announcements) on a surrogate stage whose compute time is waited out in
@@ -26,6 +28,9 @@ and their success, samples completed, retried and lost, and the trace digest.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -63,6 +68,8 @@ class SwarmScenario:
     averaging_every_steps: int = 20
     matchmaking_s: float = 40.0
     averaged_parameters: int = 0
+    worker_departures_per_min: float = 0.0
+    worker_joins_per_min: float = 0.0
     links: LinkRange = field(default_factory=LinkRange)
 
     def __post_init__(self) -> None:
@@ -124,6 +131,100 @@ class SwarmResult:
     summary: dict = field(default_factory=dict)
 
 
+class _Swarm:
+    """The nodes of one simulated swarm, and the churn that comes and goes among its workers."""
+
+    def __init__(self, sim: Simulation, scenario: SwarmScenario, run, folder: Path):
+        self.sim, self.scenario, self.run, self.folder = sim, scenario, run, folder
+        self.rng = sim.rng()
+        self.workers: list[Worker] = []
+        self.hosts: list = []  # each worker's host
+        self.dead: set[int] = set()  # indexes into workers
+        self.trainers: list[Trainer] = []
+        self.joins = self.departures = 0
+        with self.host("seed").active():
+            self.seed = DhtNode(key=sim.key(), config=run.dht)
+            sim.run(self.seed.start())
+
+    def host(self, name: str):
+        return self.sim.network.add_host(name, self.scenario.links.draw(self.rng))
+
+    def new_worker(self, stage: int) -> tuple[Worker, object]:
+        speed = self.rng.uniform(*self.scenario.speed)
+        host = self.host(f"worker-{stage}.{len(self.workers)}")
+        with host.active():
+            worker = Worker(
+                run=self.run,
+                stage=stage,
+                key=self.sim.key(),
+                bootstrap=[self.seed.address],
+                settings=WorkerSettings(surrogate_delay_scale=1.0 / speed),
+            )
+        self.workers.append(worker)
+        self.hosts.append(host)
+        return worker, host
+
+    def start_workers(self) -> None:
+        for stage in range(self.scenario.stages):
+            for _ in range(self.scenario.workers_per_stage):
+                worker, host = self.new_worker(stage)
+                with host.active():
+                    self.sim.run(worker.start())
+
+    def start_trainers(self, shards: Path) -> None:
+        for index in range(self.scenario.trainers):
+            with self.host(f"trainer-{index}").active():
+                trainer = Trainer(
+                    run=self.run,
+                    shards_dir=shards,
+                    key=self.sim.key(),
+                    bootstrap=[self.seed.address],
+                    settings=TrainerSettings(
+                        lanes=self.scenario.lanes,
+                        state_file=str(self.folder / f"trainer-{index}.json"),
+                        loss_log=str(self.folder / f"losses-{index}.jsonl"),
+                    ),
+                )
+                self.sim.run(trainer.start())
+                self.sim.loop.create_task(trainer.train())
+            self.trainers.append(trainer)
+
+    def live(self, stage: int | None = None) -> list[int]:
+        return [i for i, w in enumerate(self.workers) if i not in self.dead and stage in (None, w.stage)]
+
+    async def churn(self, duration_s: float) -> None:
+        """Workers die (their process: no goodbye) and new ones join (downloading their stage's
+        state from its replicas), as Poisson processes; every stage keeps one worker."""
+        rates = {
+            "depart": self.scenario.worker_departures_per_min / 60,
+            "join": self.scenario.worker_joins_per_min / 60,
+        }
+        events = []
+        for kind, rate in rates.items():
+            at = 0.0
+            while rate > 0 and (at := at + self.rng.expovariate(rate)) < duration_s:
+                events.append((at, kind))
+        now = 0.0
+        for at, kind in sorted(events):
+            await asyncio.sleep(at - now)
+            now = at
+            if kind == "depart":
+                stage = self.rng.randrange(self.scenario.stages)
+                if len(self.live(stage)) > 1:
+                    index = self.rng.choice(self.live(stage))
+                    self.dead.add(index)
+                    self.departures += 1
+                    self.sim.network.kill(self.hosts[index])
+            else:
+                worker, host = self.new_worker(self.rng.randrange(self.scenario.stages))
+                self.joins += 1
+                with host.active():
+                    task = self.sim.loop.create_task(worker.start())
+                    task.add_done_callback(
+                        lambda t: t.cancelled() or t.exception()
+                    )  # a failed join: counted below
+
+
 def run_swarm_scenario(scenario: SwarmScenario, *, shards: Path | None = None) -> SwarmResult:
     torch.manual_seed(scenario.seed)  # the surrogates' untrained parameters: part of the replay
     real_started = time.perf_counter()
@@ -136,66 +237,56 @@ def run_swarm_scenario(scenario: SwarmScenario, *, shards: Path | None = None) -
                 shards, shards=max(2, scenario.trainers), tokenizer=ByteTokenizer(), max_bytes=2_000_000
             )
         with Simulation(seed=scenario.seed) as sim:
-            rng = sim.rng()
-
-            def host(name: str):
-                return sim.network.add_host(name, scenario.links.draw(rng))
-
-            with host("seed").active():
-                seed = DhtNode(key=sim.key(), config=run.dht)
-                sim.run(seed.start())
-            workers: list[Worker] = []
-            for stage in range(scenario.stages):
-                for replica in range(scenario.workers_per_stage):
-                    speed = rng.uniform(*scenario.speed)
-                    with host(f"worker-{stage}.{replica}").active():
-                        worker = Worker(
-                            run=run,
-                            stage=stage,
-                            key=sim.key(),
-                            bootstrap=[seed.address],
-                            settings=WorkerSettings(surrogate_delay_scale=1.0 / speed),
-                        )
-                        sim.run(worker.start())
-                    workers.append(worker)
-            trainers: list[Trainer] = []
-            for index in range(scenario.trainers):
-                with host(f"trainer-{index}").active():
-                    trainer = Trainer(
-                        run=run,
-                        shards_dir=shards,
-                        key=sim.key(),
-                        bootstrap=[seed.address],
-                        settings=TrainerSettings(
-                            lanes=scenario.lanes, state_file=str(folder / f"trainer-{index}.json")
-                        ),
-                    )
-                    sim.run(trainer.start())
-                    sim.loop.create_task(trainer.train())
-                trainers.append(trainer)
+            swarm = _Swarm(sim, scenario, run, folder)
+            swarm.start_workers()
+            swarm.start_trainers(shards)
+            workers, trainers = swarm.workers, swarm.trainers
             started_s = sim.elapsed_s
             busy_before = [w.runtime.compute_seconds for w in workers]
             steady_started = time.perf_counter()
+            churn = sim.loop.create_task(swarm.churn(scenario.duration_s))
             sim.run_for(scenario.duration_s)
+            churn.cancel()
             steady_real_s = time.perf_counter() - steady_started
             elapsed_s = sim.elapsed_s - started_s
-            summary = _summary(scenario, workers, trainers, busy_before, elapsed_s)
+            summary = _summary(scenario, swarm, busy_before, elapsed_s)
             summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
             summary["digest"] = sim.digest()
             summary["messages"] = sim.trace.messages
             for trainer in trainers:
                 trainer.request_stop()
             summary["virtual_s"] = sim.elapsed_s
+            summary["completed_twice"] = _completed_twice(folder, len(trainers))
     summary["real_s"] = time.perf_counter() - real_started
     summary["virtual_s_per_real_s"] = summary["virtual_s"] / summary["real_s"]
     return SwarmResult(scenario, summary)
 
 
-def _summary(scenario: SwarmScenario, workers, trainers, busy_before, elapsed_s: float) -> dict:
+def _completed_twice(folder: Path, trainers: int) -> int:
+    """Sample ids a trainer's loss log holds more than once (trainers read the same shards
+    unless told otherwise: two trainers may each complete one id, once)."""
+    twice = 0
+    for index in range(trainers):
+        path = folder / f"losses-{index}.jsonl"
+        if path.exists():
+            seen = collections.Counter(
+                str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line.strip()
+            )
+            twice += sum(count - 1 for count in seen.values() if count > 1)
+    return twice
+
+
+def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], elapsed_s: float) -> dict:
+    workers, trainers = swarm.workers, swarm.trainers
     utilization = []
     for stage in range(scenario.stages):
-        replicas = [i for i, w in enumerate(workers) if w.stage == stage]
-        busy = [(workers[i].runtime.compute_seconds - busy_before[i]) / elapsed_s for i in replicas]
+        # the replicas there from start to end (a joiner's or a dead worker's share is partial)
+        whole = [i for i in swarm.live(stage) if i < len(busy_before)] or swarm.live(stage)
+        busy = [
+            (workers[i].runtime.compute_seconds - (busy_before[i] if i < len(busy_before) else 0.0))
+            / elapsed_s
+            for i in whole
+        ]
         utilization.append(sum(busy) / len(busy))
     rounds = [r for w in workers for r in w.averager.reports]
     completed = sum(t.counters.completed for t in trainers)
@@ -203,11 +294,16 @@ def _summary(scenario: SwarmScenario, workers, trainers, busy_before, elapsed_s:
         "seed": scenario.seed,
         "workers": len(workers),
         "trainers": len(trainers),
+        "worker_joins": swarm.joins,
+        "worker_departures": swarm.departures,
+        "joiners_ready": sum(
+            1 for i, w in enumerate(workers) if i >= len(busy_before) and w.ready and i not in swarm.dead
+        ),
         "samples_per_s": completed / elapsed_s,
         "tokens_per_s": completed * SEQ_LEN / elapsed_s,
         "stage_utilization": utilization,
         "bottleneck_stage": max(range(scenario.stages), key=lambda s: utilization[s]),
-        "optimizer_steps": [w.optimizer.step for w in workers],
+        "optimizer_steps": [w.optimizer.step for i, w in enumerate(workers) if i not in swarm.dead],
         "averaging_rounds": len(rounds),
         "averaging_success": sum(r.averaging_success for r in rounds) / len(rounds) if rounds else None,
         "averaging_round_s": sum(r.seconds for r in rounds) / len(rounds) if rounds else None,

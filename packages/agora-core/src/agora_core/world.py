@@ -16,7 +16,9 @@ simulator's loop keeps virtual time.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,21 @@ def rng(seed: Any = None) -> random.Random:
     """A random generator for one component. ``seed`` None: unseeded in the real world; under a
     simulation, drawn from the simulation's seed, so a run replays exactly."""
     return _rng_factory(seed)
+
+
+async def offload(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)`` off the event loop (hashing, disk): on a thread of its own; under a
+    simulation in line, because a thread's finish would come at a real, unrepeatable moment."""
+    if _simulated:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def token_hex(nbytes: int) -> str:
+    """A random name (a snapshot's, a file's): from the OS; under a simulation from its seed."""
+    if _simulated:
+        return _rng_factory(None).getrandbits(8 * nbytes).to_bytes(nbytes, "big").hex()
+    return secrets.token_hex(nbytes)
 
 
 def network() -> Network:

@@ -19,7 +19,6 @@ says otherwise. ``clear`` is such a newer record, naming no trainer: back to --s
 from __future__ import annotations
 
 import itertools
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,7 +160,7 @@ def new_assignment(
     """A record issued now; ``ttl_s`` at most the run's longest-lived record (``longest_ttl_s``)."""
     issued = world.wall()
     return ShardAssignment(
-        id=f"shards-{int(issued)}-{secrets.token_hex(3)}",
+        id=f"shards-{int(issued)}-{world.token_hex(3)}",
         issued=issued,
         expires=issued + ttl_s,
         trainers={node_prefix(p): ids for p, ids in trainers.items()},

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +188,7 @@ class CheckpointStore:
         manifest's path. Blocking file I/O and hashing: call it off the event loop."""
         started = world.monotonic()
         base = f"stage{self.stage}-step{snapshot.step:09d}"
-        file_name = f"{base}-{secrets.token_hex(4)}.safetensors"
+        file_name = f"{base}-{world.token_hex(4)}.safetensors"
         tensor_path = self.directory / file_name
         partial = self.directory / f".{file_name}.partial"
         try:

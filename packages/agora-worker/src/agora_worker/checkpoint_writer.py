@@ -88,7 +88,7 @@ class CheckpointWriter:
         started = world.monotonic()
         try:
             snapshot = await asyncio.wrap_future(captured or self._capture())
-            await asyncio.to_thread(self.store.save, snapshot)
+            await world.offload(self.store.save, snapshot)
         except Exception as exc:  # whatever went wrong (a full disk, a bug): training goes on
             self._m_failed.inc()
             log.error("checkpoint_failed", directory=str(self.store.directory), error=repr(exc))

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 
+from agora_core import world
 from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.auth.access import CREDENTIALED, only
 from agora_core.config import RunConfig
@@ -275,7 +276,7 @@ class Worker:
         await self.node.stop(grace_s=grace_s)  # in-flight requests finish before it returns
         if self.checkpoint_writer is not None:  # the last state, while the compute thread runs
             await self.checkpoint_writer.close(step=self.optimizer.step, timeout_s=grace_s)
-        await asyncio.to_thread(self.runtime.stop)
+        await world.offload(self.runtime.stop)
         log.info("worker_stopped", stage=self.stage, step=self.optimizer.step)
 
     # --- stepping and describing -------------------------------------------------------------------
@@ -310,7 +311,7 @@ class Worker:
         writer = self.checkpoint_writer
         if writer is None or (live_replicas and not self.settings.resume):
             return None
-        snapshot = await asyncio.to_thread(writer.store.newest_valid, check=self.state.check)
+        snapshot = await world.offload(writer.store.newest_valid, check=self.state.check)
         if snapshot is None:
             log.warning("checkpoint_resume_none", directory=str(writer.store.directory), stage=self.stage)
             return None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from agora_core import world
 from agora_core.admission.challenge import MAX_WIDTH, answer_challenge
 from agora_core.auth.access import only
 from agora_core.auth.peer_identity import AUTHORIZER_ROLE
@@ -94,7 +95,7 @@ class DialBackAnswerer:
             raise BadRequest(f"admission.challenge needs {{'seed': int >= 0, 'n': 1..{self.max_width}}}")
         async with self._computing:
             started = time.perf_counter()
-            rows = await asyncio.to_thread(answer_challenge, seed, n, self.matmul)
+            rows = await world.offload(answer_challenge, seed, n, self.matmul)
             elapsed = time.perf_counter() - started
         self.challenges += 1
         return Payload({"seconds": elapsed}, {"rows": np.frombuffer(rows, dtype=np.uint8)})

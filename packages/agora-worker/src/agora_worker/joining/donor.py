@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -129,14 +128,14 @@ class StateDonor:
             capture = functools.partial(self._state.capture, with_optimizer=not weights_only)
             snapshot = await asyncio.wrap_future(self._runtime.call(capture))
             copied_s = world.monotonic() - started
-            await asyncio.to_thread(snapshot.digests)  # hashing releases the GIL
+            await world.offload(snapshot.digests)  # hashing releases the GIL
             held = _Held(snapshot, weights_only=weights_only)
             held.views = {n: a.reshape(-1).view(np.uint8) for n, a in snapshot.tensors.items()}
             while len(self._held) >= MAX_SNAPSHOTS:
                 oldest = min(self._held, key=lambda i: self._held[i].last_used)
                 del self._held[oldest]
                 log.info("state_snapshot_dropped", snapshot=oldest, reason="a newer one is needed")
-            snapshot_id = secrets.token_hex(8)
+            snapshot_id = world.token_hex(8)
             self._held[snapshot_id] = held
             self._arm()
             self._m_snapshots.inc()

@@ -234,7 +234,7 @@ class Joiner:
     async def _check_installed(self, snapshot: StateSnapshot) -> None:
         """Read the installed state back: it must be the donors' bytes, bit for bit."""
         installed = await asyncio.wrap_future(self._runtime.call(self._state.capture))
-        ours, theirs = await asyncio.to_thread(lambda: (installed.digests(), snapshot.digests()))
+        ours, theirs = await world.offload(lambda: (installed.digests(), snapshot.digests()))
         wrong = sorted(name for name, digest in theirs.items() if ours.get(name) != digest)
         if wrong:
             raise StateMismatch(

@@ -8,7 +8,9 @@ of each stage and the trainer. No ``tools/swarm.py``: the commands are the ones 
 and contributors type. Once B's replicas have averaged with their peers on A, the operator,
 from host B, tells A's stage-1 replica through the DHT (``tools/inject.py``, signed with an
 operator credential) to crash mid forward: it dies with the injection's exit code, and the
-trainer finishes its few hundred samples on the replica left, the loss falling.
+trainer trains a few hundred more samples on the replica left, the loss falling, until the
+test stops it (Ctrl-C's clean stop: the trainer never runs out of samples before the crash,
+however slow the machine).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import json
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +37,8 @@ from agora_core.testing_hosts import Host, HostsUnavailable, two_hosts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = 320
+SAMPLES = 320  # trained after the crash, on the surviving replica
+EPOCHS = 20  # an upper bound the test never reaches: it stops the trainer itself
 EXIT_CODE = 97  # the injected crash's, told apart from any other exit
 START_S = 120.0  # every node serving (torch imports on a busy two-core machine)
 TRAIN_S = 150.0
@@ -151,8 +155,8 @@ def test_an_authorized_run_trains_across_two_hosts(tmp_path):
             _serving(host, proc, log)
         trainer_log = logs / "trainer.log"
         trainer = b.spawn(["-m", "agora_trainer", "run", "--config", config, *listen(b), *joined, "--shards",
-                           str(shards), "--key-file", str(keys / "trainer.key"), "--lanes", "4", "--max-samples",
-                           str(SAMPLES), "--loss-log", str(tmp_path / "losses.jsonl"), "--status-interval", "5"],
+                           str(shards), "--key-file", str(keys / "trainer.key"), "--lanes", "4", "--epochs",
+                           str(EPOCHS), "--loss-log", str(tmp_path / "losses.jsonl"), "--status-interval", "5"],
                           trainer_log, node_env)  # fmt: skip
         b_logs = [log for host, _, log in started if host is b]
 
@@ -174,13 +178,26 @@ def test_an_authorized_run_trains_across_two_hosts(tmp_path):
         wait_until(lambda: victim.poll() is not None, timeout_s=30, what="the injected crash")
         assert victim.returncode == EXIT_CODE, f"{victim_log.name} exited {victim.returncode}"
         assert "injection_obeyed" in victim_log.read_text(errors="replace")
+        loss_log = tmp_path / "losses.jsonl"
+        at_crash = len(loss_log.read_text().splitlines()) if loss_log.exists() else 0
+
+        def trained_past_the_crash() -> bool:
+            assert trainer.poll() is None, (
+                f"trainer exited ({trainer.poll()}):\n{trainer_log.read_text()[-3000:]}"
+            )
+            return len(loss_log.read_text().splitlines()) >= at_crash + SAMPLES
+
+        wait_until(
+            trained_past_the_crash, timeout_s=TRAIN_S, every_s=0.5, what=f"{SAMPLES} samples after the crash"
+        )
+        trainer.send_signal(signal.SIGINT)  # its clean stop: lanes finish their samples
         with contextlib.suppress(subprocess.TimeoutExpired):  # the assert below says how it ended
-            trainer.wait(timeout=TRAIN_S)
+            trainer.wait(timeout=60)
         assert trainer.poll() == 0, f"trainer: {trainer.poll()}\n{trainer_log.read_text()[-3000:]}"
         survivors = [proc for _, proc, _ in started if proc is not victim]
         assert all(proc.poll() is None for proc in survivors), "a worker the injection spared exited"
-        losses = [json.loads(line)["loss"] for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
-        assert len(losses) >= SAMPLES
+        losses = [json.loads(line)["loss"] for line in loss_log.read_text().splitlines()]
+        assert len(losses) >= at_crash + SAMPLES
         head, tail = sum(losses[:32]) / 32, sum(losses[-32:]) / 32
         assert tail < head, f"loss did not fall: {head:.3f} -> {tail:.3f}"
         for _, _, log in started:  # every replica, on either host, served samples

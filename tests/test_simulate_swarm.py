@@ -88,3 +88,14 @@ def test_workers_dying_and_joining_mid_run_lose_no_sample_and_the_run_replays():
     assert first["completed"] > 40
     second = run_swarm_scenario(churning).summary
     assert second["digest"] == first["digest"]  # state downloads and kills replay too
+
+
+def test_the_costliest_stage_is_the_bottleneck_and_a_cost_per_stage_is_checked():
+    uneven = SwarmScenario(
+        **{**SMALL.__dict__, "duration_s": 20.0, "stage_cost": (1.0, 3.0), "speed": (1.0, 1.0)}
+    )
+    summary = run_swarm_scenario(uneven).summary
+    assert summary["bottleneck_stage"] == 1
+    assert summary["stage_utilization"][1] > 2 * summary["stage_utilization"][0]
+    with pytest.raises(ScenarioError, match="stage_cost"):
+        parse_swarm({"swarm": {"stages": 3, "stage_cost": [1.0, 2.0]}})

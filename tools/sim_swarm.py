@@ -10,6 +10,7 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     forward_ms = 5.0          # per sample, on a worker of speed 1 (surrogate stages)
     backward_ms = 10.0
     speed = [0.5, 1.5]        # each worker's compute speed, drawn uniformly: heterogeneous GPUs
+    stage_cost = []           # each stage's compute per sample, x forward_ms/backward_ms (1 each)
     target_batch_size = 64    # samples per optimizer step of a stage
     averaging = true
     averaging_every_steps = 20  # a round per this many optimizer steps (the report's 20)
@@ -17,6 +18,8 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
     worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
+
+and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
 
 Every node is the packages' own: ``agora_worker.Worker`` (queues, coalescing, optimizer,
 averaging, progress, announcements) on a surrogate stage whose compute time is waited out in
@@ -29,8 +32,7 @@ and their success, samples completed, retried and lost, and the trace digest.
 from __future__ import annotations
 
 import asyncio
-import collections
-import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
+from sim_swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
 
 SEQ_LEN = 128
 
@@ -63,6 +66,7 @@ class SwarmScenario:
     forward_ms: float = 5.0
     backward_ms: float = 10.0
     speed: tuple[float, float] = (1.0, 1.0)
+    stage_cost: tuple[float, ...] = ()
     target_batch_size: int = 64
     averaging: bool = True
     averaging_every_steps: int = 20
@@ -71,38 +75,47 @@ class SwarmScenario:
     worker_departures_per_min: float = 0.0
     worker_joins_per_min: float = 0.0
     links: LinkRange = field(default_factory=LinkRange)
+    faults: SwarmFaults = field(default_factory=SwarmFaults)
 
     def __post_init__(self) -> None:
         if self.stages < 2 or self.workers_per_stage < 1 or self.trainers < 1 or self.lanes < 1:
             raise ScenarioError("swarm: stages >= 2, workers_per_stage, trainers and lanes >= 1")
         if not 0 < self.speed[0] <= self.speed[1]:
             raise ScenarioError("swarm.speed must be [low, high] with 0 < low <= high")
+        if self.stage_cost and (len(self.stage_cost) != self.stages or min(self.stage_cost) <= 0):
+            raise ScenarioError("swarm.stage_cost needs one positive factor per stage")
         if self.duration_s <= 0 or self.forward_ms < 0 or self.backward_ms < 0:
             raise ScenarioError("run.duration_s must be positive, swarm.*_ms >= 0")
 
 
-SWARM_KEYS = {f for f in SwarmScenario.__dataclass_fields__} - {"seed", "duration_s", "links"}
+SWARM_KEYS = {f for f in SwarmScenario.__dataclass_fields__} - {"seed", "duration_s", "links", "faults"}
 
 
 def parse_swarm(data: dict) -> SwarmScenario:
-    unknown = set(data) - {"run", "swarm", "links"}
+    unknown = set(data) - {"run", "swarm", "links", "faults"}
     if unknown:
         raise ScenarioError(
-            f"a swarm scenario has [run], [swarm] and [links]; unknown: {', '.join(sorted(unknown))}"
+            f"a swarm scenario has [run], [swarm], [links] and [faults]; unknown: {', '.join(sorted(unknown))}"
         )
+    faults = data.get("faults", {})
+    bad = set(faults) - set(SwarmFaults.__dataclass_fields__)
+    if bad:
+        raise ScenarioError(f"[faults] has unknown keys: {', '.join(sorted(bad))}")
     swarm = dict(data.get("swarm", {}))
     bad = set(swarm) - SWARM_KEYS
     if bad:
         raise ScenarioError(f"[swarm] has unknown keys: {', '.join(sorted(bad))}")
     run = data.get("run", {})
-    if "speed" in swarm:
-        swarm["speed"] = tuple(float(v) for v in swarm["speed"])
+    for name in ("speed", "stage_cost"):
+        if name in swarm:
+            swarm[name] = tuple(float(v) for v in swarm[name])
     links = {k: tuple(v) if isinstance(v, list) else v for k, v in data.get("links", {}).items()}
     try:
         return SwarmScenario(
             seed=int(run.get("seed", 1)),
             duration_s=float(run.get("duration_s", 60.0)),
             links=LinkRange(**links),
+            faults=SwarmFaults(**{k: float(v) for k, v in faults.items()}),
             **swarm,
         )
     except TypeError as exc:
@@ -141,13 +154,18 @@ class _Swarm:
         self.hosts: list = []  # each worker's host
         self.dead: set[int] = set()  # indexes into workers
         self.trainers: list[Trainer] = []
-        self.joins = self.departures = 0
+        self.train_tasks: list[asyncio.Task] = []
+        self.disturbances = Disturbances(self)
         with self.host("seed").active():
             self.seed = DhtNode(key=sim.key(), config=run.dht)
             sim.run(self.seed.start())
 
     def host(self, name: str):
-        return self.sim.network.add_host(name, self.scenario.links.draw(self.rng))
+        host = self.sim.network.add_host(name, self.scenario.links.draw(self.rng))
+        skew = self.scenario.faults.max_clock_skew_s
+        if skew:
+            host.skew_s = self.rng.uniform(-skew, skew)
+        return host
 
     def new_worker(self, stage: int) -> tuple[Worker, object]:
         speed = self.rng.uniform(*self.scenario.speed)
@@ -158,11 +176,14 @@ class _Swarm:
                 stage=stage,
                 key=self.sim.key(),
                 bootstrap=[self.seed.address],
-                settings=WorkerSettings(surrogate_delay_scale=1.0 / speed),
+                settings=WorkerSettings(surrogate_delay_scale=self.stage_cost(stage) / speed),
             )
         self.workers.append(worker)
         self.hosts.append(host)
         return worker, host
+
+    def stage_cost(self, stage: int) -> float:
+        return self.scenario.stage_cost[stage] if self.scenario.stage_cost else 1.0
 
     def start_workers(self) -> None:
         for stage in range(self.scenario.stages):
@@ -186,46 +207,18 @@ class _Swarm:
                     ),
                 )
                 self.sim.run(trainer.start())
-                self.sim.loop.create_task(trainer.train())
+                self.train_tasks.append(self.sim.loop.create_task(trainer.train()))
             self.trainers.append(trainer)
 
     def live(self, stage: int | None = None) -> list[int]:
         return [i for i, w in enumerate(self.workers) if i not in self.dead and stage in (None, w.stage)]
 
-    async def churn(self, duration_s: float) -> None:
-        """Workers die (their process: no goodbye) and new ones join (downloading their stage's
-        state from its replicas), as Poisson processes; every stage keeps one worker."""
-        rates = {
-            "depart": self.scenario.worker_departures_per_min / 60,
-            "join": self.scenario.worker_joins_per_min / 60,
-        }
-        events = []
-        for kind, rate in rates.items():
-            at = 0.0
-            while rate > 0 and (at := at + self.rng.expovariate(rate)) < duration_s:
-                events.append((at, kind))
-        now = 0.0
-        for at, kind in sorted(events):
-            await asyncio.sleep(at - now)
-            now = at
-            if kind == "depart":
-                stage = self.rng.randrange(self.scenario.stages)
-                if len(self.live(stage)) > 1:
-                    index = self.rng.choice(self.live(stage))
-                    self.dead.add(index)
-                    self.departures += 1
-                    self.sim.network.kill(self.hosts[index])
-            else:
-                worker, host = self.new_worker(self.rng.randrange(self.scenario.stages))
-                self.joins += 1
-                with host.active():
-                    task = self.sim.loop.create_task(worker.start())
-                    task.add_done_callback(
-                        lambda t: t.cancelled() or t.exception()
-                    )  # a failed join: counted below
 
-
-def run_swarm_scenario(scenario: SwarmScenario, *, shards: Path | None = None) -> SwarmResult:
+def run_swarm_scenario(
+    scenario: SwarmScenario, *, shards: Path | None = None, check: bool = False
+) -> SwarmResult:
+    """Run ``scenario``; with ``check``, settle it afterwards and check what must hold
+    (``sim_swarm_faults.check_settled``): the violations are in the summary."""
     torch.manual_seed(scenario.seed)  # the surrogates' untrained parameters: part of the replay
     real_started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="agora-sim-") as scratch:
@@ -240,40 +233,32 @@ def run_swarm_scenario(scenario: SwarmScenario, *, shards: Path | None = None) -
             swarm = _Swarm(sim, scenario, run, folder)
             swarm.start_workers()
             swarm.start_trainers(shards)
-            workers, trainers = swarm.workers, swarm.trainers
             started_s = sim.elapsed_s
-            busy_before = [w.runtime.compute_seconds for w in workers]
+            busy_before = [w.runtime.compute_seconds for w in swarm.workers]
             steady_started = time.perf_counter()
-            churn = sim.loop.create_task(swarm.churn(scenario.duration_s))
+            disturbing = sim.loop.create_task(swarm.disturbances.run(scenario.duration_s))
             sim.run_for(scenario.duration_s)
-            churn.cancel()
+            disturbing.cancel()
             steady_real_s = time.perf_counter() - steady_started
             elapsed_s = sim.elapsed_s - started_s
             summary = _summary(scenario, swarm, busy_before, elapsed_s)
             summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
             summary["digest"] = sim.digest()
             summary["messages"] = sim.trace.messages
-            for trainer in trainers:
-                trainer.request_stop()
             summary["virtual_s"] = sim.elapsed_s
-            summary["completed_twice"] = _completed_twice(folder, len(trainers))
+            summary["completed_twice"] = sum(
+                completed_twice(folder / f"losses-{i}.jsonl") for i in range(len(swarm.trainers))
+            )
+            if check:
+                summary["violations"], seen = check_settled(swarm)
+                summary.update(seen)
+                summary["digest_settled"] = sim.digest()
+            else:
+                for trainer in swarm.trainers:
+                    trainer.request_stop()
     summary["real_s"] = time.perf_counter() - real_started
     summary["virtual_s_per_real_s"] = summary["virtual_s"] / summary["real_s"]
     return SwarmResult(scenario, summary)
-
-
-def _completed_twice(folder: Path, trainers: int) -> int:
-    """Sample ids a trainer's loss log holds more than once (trainers read the same shards
-    unless told otherwise: two trainers may each complete one id, once)."""
-    twice = 0
-    for index in range(trainers):
-        path = folder / f"losses-{index}.jsonl"
-        if path.exists():
-            seen = collections.Counter(
-                str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line.strip()
-            )
-            twice += sum(count - 1 for count in seen.values() if count > 1)
-    return twice
 
 
 def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], elapsed_s: float) -> dict:
@@ -289,13 +274,15 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         ]
         utilization.append(sum(busy) / len(busy))
     rounds = [r for w in workers for r in w.averager.reports]
+    grouped = [r.seconds for r in rounds if r.group_size >= 2 and r.averaging_success > 0]
     completed = sum(t.counters.completed for t in trainers)
     return {
         "seed": scenario.seed,
         "workers": len(workers),
         "trainers": len(trainers),
-        "worker_joins": swarm.joins,
-        "worker_departures": swarm.departures,
+        "worker_joins": swarm.disturbances.counts["joins"],
+        "worker_departures": swarm.disturbances.counts["departures"],
+        **{kind: swarm.disturbances.counts[kind] for kind in ("partitions", "silences", "slowdowns")},
         "joiners_ready": sum(
             1 for i, w in enumerate(workers) if i >= len(busy_before) and w.ready and i not in swarm.dead
         ),
@@ -307,6 +294,8 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         "averaging_rounds": len(rounds),
         "averaging_success": sum(r.averaging_success for r in rounds) / len(rounds) if rounds else None,
         "averaging_round_s": sum(r.seconds for r in rounds) / len(rounds) if rounds else None,
+        # rounds that averaged with someone (a lone replica's end when its window does)
+        "averaging_group_round_s": statistics.median(grouped) if grouped else None,
         "completed": completed,
         # every sample taken from the shards is completed, on its way, or waiting to run again
         "lost": sum(

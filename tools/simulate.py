@@ -4,6 +4,7 @@
     python tools/simulate.py run SCENARIO.toml [--seed N] [--json] [--plot timeline.png]
     python tools/simulate.py search [--seeds 100] [--start 0] [--json]    # random faults
     python tools/simulate.py search --replay SEED                          # one of them again
+    python tools/simulate.py search --swarm [--seeds 100]       # whole swarms, random faults
 
 The scenario (TOML, see ``agora_core.sim.scenario`` and ``examples/sim/``) says how many
 members, their links, the churn and the measured load. The report: join and settle times,
@@ -16,7 +17,9 @@ replays it; it exits 1 when any failed. The process runs
 with PYTHONHASHSEED=0 (it restarts itself with it when unset), so a digest replays across
 processes. A scenario with a ``[swarm]`` table runs real workers and trainers too
 (``tools/sim_swarm.py``): tokens/s, per-stage utilization, the bottleneck, averaging, samples
-lost.
+lost. ``search --swarm`` runs random swarm scenarios (``tools/sim_swarm_search.py``) and
+checks, once each has settled, that no sample was lost or completed twice, that each stage's
+replicas agree after a clean averaging round, and that nothing was left queued or open.
 """
 
 from __future__ import annotations
@@ -143,6 +146,12 @@ def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) 
         sys.exit(1)
 
 
+# what a search adds up over its seeds (each kind's own; the other's are absent)
+TOTALLED = ("members", "virtual_s", "joins", "departures", "partitions", "silences", "ops", "missed_reads",
+            "worker_joins", "worker_departures", "slowdowns", "completed", "averaging_rounds", "final_rounds", "agreed_stages",
+            "across_trainers_twice")  # fmt: skip
+
+
 @main.command()
 @click.option(
     "--seeds", type=click.IntRange(min=1), default=100, show_default=True, help="How many seeds to run."
@@ -152,27 +161,40 @@ def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) 
     "--replay", type=click.IntRange(min=0), default=None, help="Run this one seed and report it in full."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
-def search(seeds: int, start: int, replay: int | None, as_json: bool) -> None:
+@click.option(
+    "--swarm", "whole_swarms", is_flag=True, help="Random swarms (workers, trainers) instead of DHTs."
+)
+def search(seeds: int, start: int, replay: int | None, as_json: bool, whole_swarms: bool) -> None:
     """Run random scenarios with random faults; check the invariants after each."""
     _fixed_hash_seed()
     configure_logging(level="error")
+    if whole_swarms:
+        from sim_swarm_search import swarm_search_one as one  # torch: only where workers run
+    else:
+        one = search_one
     chosen = [replay] if replay is not None else list(range(start, start + seeds))
     failed: list[int] = []
     checked = 0
+    totals: dict[str, float] = {}
     for seed in chosen:
-        outcome = search_one(seed)
+        outcome = one(seed)
         checked += 1
+        summary = outcome.result.summary if whole_swarms else outcome.result.summary()
+        for name in TOTALLED:
+            if isinstance(summary.get(name), int | float):
+                totals[name] = totals.get(name, 0) + summary[name]
         if outcome.failed:
             failed.append(seed)
         if not as_json:
             click.echo(outcome.line())
             if replay is not None:
-                for name, value in outcome.result.summary().items():
+                for name, value in summary.items():
                     click.echo(f"  {name}: {value}")
     if as_json:
-        click.echo(json.dumps({"seeds": checked, "first": chosen[0], "failed": failed}))
+        click.echo(json.dumps({"seeds": checked, "first": chosen[0], "failed": failed, "totals": totals}))
     else:
         click.echo(f"{checked} seeds, {len(failed)} failed" + (f": {failed}" if failed else ""))
+        click.echo("totals: " + ", ".join(f"{name} {value:.0f}" for name, value in totals.items()))
     if failed:
         sys.exit(1)
 

@@ -17,6 +17,19 @@ from agora_core.sim.dht_swarm import LinkRange
 from agora_core.sim.scenario import Churn, Faults, Scenario
 
 
+def random_links(
+    rng: random.Random, low_mbit: float, near_ms: float, *, losses: tuple[float, ...]
+) -> LinkRange:
+    """Links from ``low_mbit`` up to 10x that, ``near_ms`` up to 60 ms more one way, some
+    jitter, a TCP loss rate of ``losses`` (the fault searches' common draw)."""
+    return LinkRange(
+        bandwidth_mbit=(low_mbit, low_mbit * rng.choice([1.0, 4.0, 10.0])),
+        one_way_ms=(near_ms, near_ms + rng.uniform(0.0, 60.0)),
+        jitter_ms=rng.choice([0.0, 1.0, 5.0]),
+        loss=rng.choice(losses),
+    )
+
+
 def random_scenario(seed: int) -> Scenario:
     rng = random.Random(f"agora-fault-search-{seed}")
     low_mbit = rng.choice([10.0, 50.0, 100.0])
@@ -26,12 +39,7 @@ def random_scenario(seed: int) -> Scenario:
         members=rng.randint(4, 40),
         duration_s=rng.uniform(30.0, 120.0),
         sample_s=10.0,
-        links=LinkRange(
-            bandwidth_mbit=(low_mbit, low_mbit * rng.choice([1.0, 4.0, 10.0])),
-            one_way_ms=(near_ms, near_ms + rng.uniform(0.0, 60.0)),
-            jitter_ms=rng.choice([0.0, 1.0, 5.0]),
-            loss=rng.choice([0.0, 0.0, 0.001, 0.01, 0.05]),
-        ),
+        links=random_links(rng, low_mbit, near_ms, losses=(0.0, 0.0, 0.001, 0.01, 0.05)),
         churn=Churn(joins_per_min=rng.uniform(0.0, 8.0), departures_per_min=rng.uniform(0.0, 8.0)),
         ops_per_s=rng.uniform(0.5, 3.0),
         faults=Faults(

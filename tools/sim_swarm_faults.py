@@ -166,39 +166,39 @@ def check_settled(swarm: _Swarm) -> tuple[list[str], dict]:
             )
         elif not task.cancelled() and task.exception() is not None:
             violations.append(f"trainer {index} failed: {task.exception()!r}")
+    logs = [completed_ids(swarm.folder / f"losses-{index}.jsonl") for index in range(len(swarm.trainers))]
     for index, trainer in enumerate(swarm.trainers):
         c = trainer.counters
         lost = c.dispatched - c.completed - c.in_flight - c.requeued
         if lost:
             violations.append(f"trainer {index}: {lost} sample(s) lost (taken, never completed nor requeued)")
-        twice = completed_twice(swarm.folder / f"losses-{index}.jsonl")
+        twice = sum(count - 1 for count in logs[index].values() if count > 1)
         if twice:
             violations.append(f"trainer {index} completed {twice} sample(s) twice")
-    seen["across_trainers_twice"] = completed_across(swarm.folder, len(swarm.trainers))
+    seen["across_trainers_twice"] = completed_across(logs)
     violations += _check_agreement(swarm, seen)
     violations += _check_bounds(swarm)
     return violations, seen
 
 
+def completed_ids(path: Path) -> collections.Counter:
+    """How often each sample id stands in one trainer's loss log."""
+    if not path.exists():
+        return collections.Counter()
+    return collections.Counter(str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line)
+
+
 def completed_twice(path: Path) -> int:
     """Sample ids one trainer's loss log holds more than once."""
-    if not path.exists():
-        return 0
-    seen = collections.Counter(str(json.loads(line)["id"]) for line in path.read_text().splitlines() if line)
-    return sum(count - 1 for count in seen.values() if count > 1)
+    return sum(count - 1 for count in completed_ids(path).values() if count > 1)
 
 
-def completed_across(folder: Path, trainers: int) -> int:
+def completed_across(logs: list[collections.Counter]) -> int:
     """Sample ids completed by more than one trainer: trainers coordinate shards through the
-    DHT, and one cut off long enough has its shard adopted (reported, not a violation)."""
-    owners: dict[str, set[int]] = collections.defaultdict(set)
-    for index in range(trainers):
-        path = folder / f"losses-{index}.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line:
-                    owners[str(json.loads(line)["id"])].add(index)
-    return sum(1 for who in owners.values() if len(who) > 1)
+    DHT, and two opening one shard together, or one cut off long enough, both read some of it
+    (reported, not a violation)."""
+    owners = collections.Counter(sample_id for ids in logs for sample_id in ids)
+    return sum(1 for count in owners.values() if count > 1)
 
 
 def _check_agreement(swarm: _Swarm, seen: dict) -> list[str]:
@@ -213,8 +213,8 @@ def _check_agreement(swarm: _Swarm, seen: dict) -> list[str]:
         members = [i for i in swarm.live(stage) if swarm.workers[i].phases.phase.averages]
         if len(members) >= 2:
             groups[stage] = members
-    running = [w.averager._task for i, w in enumerate(swarm.workers) if i not in swarm.dead]
-    running = [t for t in running if t is not None and not t.done()]
+    running = [swarm.workers[i].averager.round_task for i in swarm.live()]
+    running = [t for t in running if t is not None]
     if running:  # a round the run started: let it end first
         swarm.sim.run(asyncio.wait(running, timeout=ROUND_LIMIT_S))
     seen["final_rounds"] = len(groups)

@@ -69,6 +69,9 @@ class SwarmSearchOutcome:
     def failed(self) -> bool:
         return bool(self.violations)
 
+    def summary(self) -> dict:
+        return self.result.summary
+
     def line(self) -> str:
         scenario, summary = self.result.scenario, self.result.summary
         text = (

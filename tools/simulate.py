@@ -179,7 +179,7 @@ def search(seeds: int, start: int, replay: int | None, as_json: bool, whole_swar
     for seed in chosen:
         outcome = one(seed)
         checked += 1
-        summary = outcome.result.summary if whole_swarms else outcome.result.summary()
+        summary = outcome.summary()
         for name in TOTALLED:
             if isinstance(summary.get(name), int | float):
                 totals[name] = totals.get(name, 0) + summary[name]

@@ -62,6 +62,9 @@ class SearchOutcome:
     def failed(self) -> bool:
         return bool(self.result.violations)
 
+    def summary(self) -> dict:
+        return self.result.summary()
+
     def line(self) -> str:
         summary = self.result.summary()
         scenario = self.result.scenario

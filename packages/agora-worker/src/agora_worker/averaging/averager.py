@@ -123,6 +123,11 @@ class Averager:
             return
         self._task = asyncio.get_running_loop().create_task(self.run_round(step // self.config.cadence_steps))
 
+    @property
+    def round_task(self) -> asyncio.Task | None:
+        """The round the cadence started, while it runs (None otherwise)."""
+        return self._task if self._task is not None and not self._task.done() else None
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -99,3 +99,18 @@ def test_the_costliest_stage_is_the_bottleneck_and_a_cost_per_stage_is_checked()
     assert summary["stage_utilization"][1] > 2 * summary["stage_utilization"][0]
     with pytest.raises(ScenarioError, match="stage_cost"):
         parse_swarm({"swarm": {"stages": 3, "stage_cost": [1.0, 2.0]}})
+
+
+def test_workers_started_in_batches_beside_stageless_members_train_and_replay():
+    crowded = SwarmScenario(
+        **{**SMALL.__dict__, "duration_s": 30.0, "workers_per_stage": 3, "dht_members": 6, "start_batch": 4}
+    )
+    first = run_swarm_scenario(crowded).summary
+    # the seed, 6 workers, 6 stageless members and the trainer: all in the seed's view
+    assert first["dht_members"] == 14 and first["seed_sees_live"] == 14
+    assert first["completed"] > 20 and first["lost"] == 0 and first["completed_twice"] == 0
+    sequential = run_swarm_scenario(SwarmScenario(**{**crowded.__dict__, "start_batch": 1})).summary
+    assert sequential["startup_virtual_s"] > first["startup_virtual_s"]  # batches come up together
+    assert run_swarm_scenario(crowded).summary["digest"] == first["digest"]
+    with pytest.raises(ScenarioError, match="start_batch"):
+        parse_swarm({"swarm": {"start_batch": 0}})

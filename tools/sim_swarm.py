@@ -18,6 +18,8 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
     worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
+    dht_members = 0           # DHT members that host no stage (the run's other nodes: monitors...)
+    start_batch = 1           # workers (and members) started together; 1: one after another
 
 and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
 
@@ -74,6 +76,8 @@ class SwarmScenario:
     averaged_parameters: int = 0
     worker_departures_per_min: float = 0.0
     worker_joins_per_min: float = 0.0
+    dht_members: int = 0
+    start_batch: int = 1
     links: LinkRange = field(default_factory=LinkRange)
     faults: SwarmFaults = field(default_factory=SwarmFaults)
 
@@ -84,6 +88,8 @@ class SwarmScenario:
             raise ScenarioError("swarm.speed must be [low, high] with 0 < low <= high")
         if self.stage_cost and (len(self.stage_cost) != self.stages or min(self.stage_cost) <= 0):
             raise ScenarioError("swarm.stage_cost needs one positive factor per stage")
+        if self.dht_members < 0 or self.start_batch < 1:
+            raise ScenarioError("swarm: dht_members >= 0 and start_batch >= 1")
         if self.duration_s <= 0 or self.forward_ms < 0 or self.backward_ms < 0:
             raise ScenarioError("run.duration_s must be positive, swarm.*_ms >= 0")
 
@@ -134,6 +140,8 @@ def _run_config(scenario: SwarmScenario, folder: Path):
         f"[averaging]\nenabled = {'true' if scenario.averaging else 'false'}\n"
         f"cadence_steps = {scenario.averaging_every_steps}\nmatchmaking_window_s = {scenario.matchmaking_s}\n"
         f"round_timeout_s = {scenario.matchmaking_s + 110.0}\n"
+        # the simulator injects its own faults: no node reads the operator's injection records
+        "[operator]\ninjection_watch_s = 0\n"
     )
     return load_run_config(path)
 
@@ -153,6 +161,7 @@ class _Swarm:
         self.workers: list[Worker] = []
         self.hosts: list = []  # each worker's host
         self.dead: set[int] = set()  # indexes into workers
+        self.members: list[DhtNode] = []  # the DHT members that host no stage
         self.trainers: list[Trainer] = []
         self.train_tasks: list[asyncio.Task] = []
         self.disturbances = Disturbances(self)
@@ -186,11 +195,39 @@ class _Swarm:
         return self.scenario.stage_cost[stage] if self.scenario.stage_cost else 1.0
 
     def start_workers(self) -> None:
-        for stage in range(self.scenario.stages):
-            for _ in range(self.scenario.workers_per_stage):
-                worker, host = self.new_worker(stage)
+        """Every stage's workers, ``start_batch`` at a time (stage by stage, round-robin), so a
+        thousand workers come up in the virtual time of a few joins, not a thousand."""
+        order = [
+            stage for _ in range(self.scenario.workers_per_stage) for stage in range(self.scenario.stages)
+        ]
+        if self.scenario.start_batch == 1:  # the order the published figures were measured in
+            order.sort()
+        for first in range(0, len(order), self.scenario.start_batch):
+            group = [
+                self._start(*self.new_worker(stage))
+                for stage in order[first : first + self.scenario.start_batch]
+            ]
+            self.sim.run(group[0] if len(group) == 1 else asyncio.gather(*group))
+
+    @staticmethod
+    async def _start(node, host) -> None:
+        with host.active():
+            await node.start()
+
+    def start_members(self) -> None:
+        for first in range(0, self.scenario.dht_members, self.scenario.start_batch):
+            group = []
+            for index in range(first, min(first + self.scenario.start_batch, self.scenario.dht_members)):
+                host = self.host(f"member-{index}")
                 with host.active():
-                    self.sim.run(worker.start())
+                    group.append(
+                        (
+                            DhtNode(key=self.sim.key(), config=self.run.dht, bootstrap=[self.seed.address]),
+                            host,
+                        )
+                    )
+            self.sim.run(asyncio.gather(*(self._start(node, host) for node, host in group)))
+            self.members.extend(node for node, _ in group)
 
     def start_trainers(self, shards: Path) -> None:
         for index in range(self.scenario.trainers):
@@ -232,7 +269,9 @@ def run_swarm_scenario(
         with Simulation(seed=scenario.seed) as sim:
             swarm = _Swarm(sim, scenario, run, folder)
             swarm.start_workers()
+            swarm.start_members()
             swarm.start_trainers(shards)
+            startup_real_s = time.perf_counter() - real_started
             started_s = sim.elapsed_s
             busy_before = [w.runtime.compute_seconds for w in swarm.workers]
             steady_started = time.perf_counter()
@@ -243,6 +282,7 @@ def run_swarm_scenario(
             elapsed_s = sim.elapsed_s - started_s
             summary = _summary(scenario, swarm, busy_before, elapsed_s)
             summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
+            summary["startup_virtual_s"], summary["startup_real_s"] = started_s, startup_real_s
             summary["digest"] = sim.digest()
             summary["messages"] = sim.trace.messages
             summary["virtual_s"] = sim.elapsed_s
@@ -280,6 +320,8 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         "seed": scenario.seed,
         "workers": len(workers),
         "trainers": len(trainers),
+        "dht_members": len(swarm.members) + len(workers) + len(trainers) + 1,  # with the seed
+        "seed_sees_live": swarm.seed.table.live_count(),  # the membership as the seed holds it
         "worker_joins": swarm.disturbances.counts["joins"],
         "worker_departures": swarm.disturbances.counts["departures"],
         **{kind: swarm.disturbances.counts[kind] for kind in ("partitions", "silences", "slowdowns")},

@@ -117,7 +117,10 @@ class FailureDetector:
         next_tick = world.monotonic()
         while True:
             next_tick += self._period_s
-            await asyncio.gather(self.probe_once(), self.recheck_suspect())
+            if self._suspects or self._table.suspects():
+                await asyncio.gather(self.probe_once(), self.recheck_suspect())
+            else:  # the common case, without two tasks a period
+                await self.probe_once()
             self._table.expire()
             delay = next_tick - world.monotonic()
             if delay > 0:

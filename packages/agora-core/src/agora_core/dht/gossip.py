@@ -95,6 +95,9 @@ class Gossip:
         the probes. Quiet swarms send nothing extra."""
         interval = self.config.gossip_period_s / 2
         while True:
+            if not self.table.pending_gossip:  # quiet: no timer at all until news comes
+                self.table.news.clear()
+                await self.table.news.wait()
             await asyncio.sleep(interval)
             others = self.table.others() if self.table.pending_gossip else None
             if others:
@@ -164,6 +167,8 @@ class Gossip:
         this, nobody probes the dead: a trainer whose own link dropped would hold its workers
         dead until their tombstones expire (``tombstone_s``), though they never left."""
         dead = self.table.dead()
+        if not dead:
+            return 0
         chosen = self._rng.sample(dead, min(len(dead), self.config.gossip_fanout))
         answers = await asyncio.gather(*(self.ping(m, self.config.probe_timeout_s) for m in chosen))
         return sum(answers)

@@ -19,6 +19,7 @@ is dropped from the live view until it claims again with a valid one.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import heapq
 import math
@@ -96,6 +97,7 @@ class MemberTable:
         self._on_address = on_address or (lambda member: None)
         self._on_dead = on_dead or (lambda member: None)
         self._gossip: dict[str, tuple[list, int]] = {}  # node id -> (update, times sent)
+        self.news = asyncio.Event()  # set when an update is queued: wakes a quiet gossip push
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
         self.suspicions = 0  # times this node saw another member become suspect
@@ -347,6 +349,7 @@ class MemberTable:
 
     def _queue(self, member: Member) -> None:
         self._gossip[member.node_id] = (member.to_wire(), 0)
+        self.news.set()
 
     def piggyback(self, limit: int) -> list[list]:
         """Up to ``limit`` updates to attach to an outgoing message, least-sent first.

@@ -19,7 +19,7 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
     dht_members = 0           # DHT members that host no stage (the run's other nodes: monitors...)
-    start_batch = 1           # workers (and members) started together; 1: one after another
+    start_batch = 1           # workers (members, trainers) started together; 1: one after another
 
 and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
 
@@ -230,22 +230,30 @@ class _Swarm:
             self.members.extend(node for node, _ in group)
 
     def start_trainers(self, shards: Path) -> None:
-        for index in range(self.scenario.trainers):
-            with self.host(f"trainer-{index}").active():
-                trainer = Trainer(
-                    run=self.run,
-                    shards_dir=shards,
-                    key=self.sim.key(),
-                    bootstrap=[self.seed.address],
-                    settings=TrainerSettings(
-                        lanes=self.scenario.lanes,
-                        state_file=str(self.folder / f"trainer-{index}.json"),
-                        loss_log=str(self.folder / f"losses-{index}.jsonl"),
-                    ),
-                )
-                self.sim.run(trainer.start())
-                self.train_tasks.append(self.sim.loop.create_task(trainer.train()))
-            self.trainers.append(trainer)
+        """The trainers, ``start_batch`` at a time, each training once it is up."""
+        for first in range(0, self.scenario.trainers, self.scenario.start_batch):
+            group = []
+            for index in range(first, min(first + self.scenario.start_batch, self.scenario.trainers)):
+                host = self.host(f"trainer-{index}")
+                with host.active():
+                    trainer = Trainer(
+                        run=self.run,
+                        shards_dir=shards,
+                        key=self.sim.key(),
+                        bootstrap=[self.seed.address],
+                        settings=TrainerSettings(
+                            lanes=self.scenario.lanes,
+                            state_file=str(self.folder / f"trainer-{index}.json"),
+                            loss_log=str(self.folder / f"losses-{index}.jsonl"),
+                        ),
+                    )
+                group.append((trainer, host))
+            starts = [self._start(trainer, host) for trainer, host in group]
+            self.sim.run(starts[0] if len(starts) == 1 else asyncio.gather(*starts))
+            for trainer, host in group:
+                with host.active():
+                    self.train_tasks.append(self.sim.loop.create_task(trainer.train()))
+                self.trainers.append(trainer)
 
     def live(self, stage: int | None = None) -> list[int]:
         return [i for i, w in enumerate(self.workers) if i not in self.dead and stage in (None, w.stage)]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 
 import pytest
 
 from agora_core.dht.claims import Claims
-from agora_core.dht.ids import closest, key_id
+from agora_core.dht.gossip_queue import GossipQueue
+from agora_core.dht.ids import Ring, closest, key_id
 from agora_core.dht.membership import Member, MemberTable, Status, parse_update
 from agora_core.dht.records import Record, RecordRejected, make_record, owned_subkey, subkey_owner
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
@@ -146,6 +148,22 @@ def test_replica_sets_are_the_closest_ids():
     assert key_id("a") != key_id("b") and key_id("a") == key_id("a")
 
 
+def test_the_ring_ranks_exactly_as_a_full_sort_by_xor_distance():
+    rng = random.Random(11)
+    for size in (0, 1, 2, 3, 7, 60, 400):
+        members = [(rng.getrandbits(160), f"n{i}") for i in range(size)]
+        ring = Ring(members)
+        for _ in range(50):
+            # targets anywhere, and right on a member (distance 0) or next to one
+            target = (
+                rng.getrandbits(160)
+                if not members or rng.random() < 0.5
+                else rng.choice(members)[0] ^ rng.getrandbits(3)
+            )
+            for count in (1, 3, 5):
+                assert ring.closest(target, count) == closest(target, members, count)
+
+
 # --- SWIM precedence ------------------------------------------------------------------------
 
 
@@ -254,3 +272,33 @@ def test_malformed_updates_are_ignored(table):
     good = member(node, 1, Status.ALIVE).to_wire()
     assert parse_update(good) is not None
     assert parse_update([NodeKey.generate().node_id, *good[1:]]) is None  # id not from its key
+
+
+def test_gossip_goes_least_sent_first_and_retires_after_its_budget():
+    queue = GossipQueue()
+    for name in "abc":
+        queue.put(name, [name])
+    assert queue.take(2, budget=2) == [["a"], ["b"]]  # all unsent: oldest first
+    assert queue.take(2, budget=2) == [["c"], ["a"]]  # c was never sent; a is now retired
+    queue.put("b", ["b2"])  # news about b: sent 0 times again, the old update replaced
+    assert queue.take(5, budget=2) == [["b2"], ["c"]] and len(queue) == 1  # c retired, b2 once
+    queue.discard("c")  # gone already: nothing happens
+    assert queue.take(5, budget=2) == [["b2"]] and not queue and queue.take(5, budget=2) == []
+
+
+def test_claims_already_held_change_nothing_and_newer_ones_still_apply(table):
+    other = NodeKey.generate()
+    assert table.apply_all([member(other, 5, Status.ALIVE).to_wire()], now=0) == 1
+    held = member(other, 5, Status.ALIVE).to_wire()
+    held[5] = b"\0" * 64  # a bad signature on a claim already held: skipped, not an error
+    assert table.apply_all([held, member(other, 4, Status.ALIVE).to_wire()], now=0) == 0
+    assert table.apply_all([member(other, 6, Status.ALIVE, "tcp://127.0.0.1:2").to_wire()], now=0) == 1
+    assert table.get(other.node_id).address == "tcp://127.0.0.1:2"
+    forged = member(other, 7, Status.ALIVE).to_wire()
+    forged[5] = b"\0" * 64  # a newer incarnation is checked in full
+    assert table.apply_all([forged], now=0) == 0 and table.get(other.node_id).incarnation == 6
+    # a tombstone from hearsay is lifted by the member's own claim at the same incarnation
+    gone = NodeKey.generate()
+    assert not table.apply(report(gone, 3, Status.DEAD), now=0)
+    assert table.apply_all([member(gone, 3, Status.ALIVE).to_wire()], now=0) == 1
+    assert table.get(gone.node_id).status == Status.ALIVE

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from agora_core import identity
 from agora_core.cli import main
 from agora_core.identity import IdentityError, NodeKey, node_id_from_public_key, verify_signature
 
@@ -36,6 +37,20 @@ def test_signatures_verify_only_for_the_signed_message_and_key():
     tampered = signature[:-1] + bytes([signature[-1] ^ 1])  # always differs (a fixed byte may not)
     assert not verify_signature(key.public_key, b"stage/2/worker", tampered)
     assert not verify_signature(b"short", b"x", signature)
+
+
+def test_a_remembered_signature_still_binds_its_key_and_message(monkeypatch):
+    monkeypatch.setattr(identity, "VERIFIED_CACHE_SIZE", 2)
+    key, other = NodeKey.generate(), NodeKey.generate()
+    messages = [b"claim/%d" % i for i in range(3)]
+    signatures = [key.sign(m) for m in messages]
+    for _ in range(2):  # the second pass answers from what was remembered, or checks again
+        assert all(verify_signature(key.public_key, m, s) for m, s in zip(messages, signatures, strict=True))
+    assert len(identity._verified) <= 2  # bounded
+    assert verify_signature(key.public_key, messages[2], signatures[2])  # remembered
+    assert not verify_signature(other.public_key, messages[2], signatures[2])
+    assert not verify_signature(key.public_key, messages[1], signatures[2])
+    assert not verify_signature(key.public_key, bytearray(messages[2]), signatures[2])  # bytes only
 
 
 def test_unsafe_or_broken_key_files_are_refused(tmp_path):

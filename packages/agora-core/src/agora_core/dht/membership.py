@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import heapq
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agora_core import world
+from agora_core.dht.gossip_queue import GossipQueue
 from agora_core.dht.member import (
     GONE,
     HINTS,
@@ -96,7 +96,7 @@ class MemberTable:
         self._on_hint = on_hint or (lambda member: None)
         self._on_address = on_address or (lambda member: None)
         self._on_dead = on_dead or (lambda member: None)
-        self._gossip: dict[str, tuple[list, int]] = {}  # node id -> (update, times sent)
+        self._gossip = GossipQueue()  # updates still to send
         self.news = asyncio.Event()  # set when an update is queued: wakes a quiet gossip push
         self.leaving = False
         self.refutations = 0  # times this node denied being suspect or dead
@@ -337,7 +337,7 @@ class MemberTable:
                 self._set_status(member, Status.DEAD, now)
             elif member.status in GONE and age >= self._tombstone_s:
                 del self._members[member.node_id]
-                self._gossip.pop(member.node_id, None)
+                self._gossip.discard(member.node_id)
                 self._touch()
 
     # --- dissemination --------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class MemberTable:
         return len(self._gossip)
 
     def _queue(self, member: Member) -> None:
-        self._gossip[member.node_id] = (member.to_wire(), 0)
+        self._gossip.put(member.node_id, member.to_wire())
         self.news.set()
 
     def piggyback(self, limit: int) -> list[list]:
@@ -360,15 +360,7 @@ class MemberTable:
         if not self._gossip:
             return []
         budget = self._retransmit_mult * math.ceil(math.log2(len(self._members) + 2))
-        chosen = heapq.nsmallest(limit, self._gossip.items(), key=lambda item: item[1][1])
-        updates = []
-        for node_id, (update, sent) in chosen:
-            updates.append(update)
-            if sent + 1 >= budget:
-                del self._gossip[node_id]
-            else:
-                self._gossip[node_id] = (update, sent + 1)
-        return updates
+        return self._gossip.take(limit, budget)
 
     def apply_all(
         self,
@@ -383,7 +375,21 @@ class MemberTable:
             return 0
         changed = 0
         for raw in raw_updates[:limit]:
+            if self._held_already(raw):
+                continue
             update = parse_update(raw)
             if update is not None and self.apply(update, now, budget):
                 changed += 1
         return changed
+
+    def _held_already(self, raw: Any) -> bool:
+        """Whether ``raw`` is an ALIVE claim of a known member at an incarnation this table
+        holds or has passed, which ``apply`` would ignore: it is then not parsed or checked. A
+        mass join's gossip brings each claim about 4 log2(N) times to every member."""
+        if type(raw) is not list or len(raw) != 7 or raw[4] != Status.ALIVE:
+            return False
+        old = self._members.get(raw[0]) if type(raw[0]) is str else None
+        incarnation = raw[3]
+        if old is None or type(incarnation) is not int:
+            return False
+        return incarnation < old.incarnation or (incarnation == old.incarnation and not old.hearsay)

@@ -26,7 +26,7 @@ from agora_core.config.run import DhtConfig
 from agora_core.dht.claims import Claims
 from agora_core.dht.directory import check_writer, key_for_address
 from agora_core.dht.gossip import Gossip
-from agora_core.dht.ids import closest, key_id
+from agora_core.dht.ids import Ring, key_id
 from agora_core.dht.membership import GONE, Member, MemberTable, Status
 from agora_core.dht.node_metrics import DhtMetrics
 from agora_core.dht.records import DhtError, Record, RecordRejected, make_record
@@ -106,7 +106,7 @@ class DhtNode:
         self._member_listeners: list[Callable[[str, bytes], None]] = []
         self.gossip: Gossip | None = None
         self.table: MemberTable | None = None
-        self._alive_cache: list[tuple[int, Member]] | None = None
+        self._alive_cache: Ring[Member] | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -264,8 +264,8 @@ class DhtNode:
     def replicas(self, key: str) -> list[Member]:
         """The members that hold ``key``: the R alive members closest to its id."""
         if self._alive_cache is None:
-            self._alive_cache = [(m.position, m) for m in self.table.alive()]
-        return closest(key_id(key), self._alive_cache, self.config.replication)
+            self._alive_cache = Ring((m.position, m) for m in self.table.alive())
+        return self._alive_cache.closest(key_id(key), self.config.replication)
 
     # --- metrics ----------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Simulation benchmark: how much faster than real time the simulator runs, and that it replays.
 
-    python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--workers 4] [--json]
+    python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--workers 4]
+                                    [--scale 1000 [--settle]] [--json]
 
 For each DHT size N (real DhtNode members, one simulated host each, the report's consumer
 links): the swarm comes up and agrees on its membership, then runs --seconds of virtual time
@@ -15,6 +16,12 @@ trainers of 4 lanes on the same links (``tools/sim_swarm.py``), --seconds of tra
 start-up: virtual seconds per real second of that stretch, and the samples it trained per
 virtual second.
 
+Scale (``--scale W``): W workers over 10 stages, W DHT members hosting no stage and W / 20
+trainers of 2 lanes (``--scale 1000``: the issue's 1 000 + 1 000 + 50), all started 100 at a
+time; figures: real seconds to come up, x real time over --seconds of training right after
+(the joins' news still circulating) or, with --settle, once it has stopped (up to 300 virtual
+s later), the whole run's real seconds and the process's peak memory.
+
 The issue's target is >= 10x for 1 000 workers + 1 000 DHT members + 50 trainers on two
 cores. A DHT member's cost per virtual second is mostly its membership protocol (probes,
 gossip, syncs); a swarm's is its hops (encode, route, decode, the surrogate's torch call),
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -74,6 +82,41 @@ def steady_speed(members: int, seconds: float, report: Report) -> float:
     return speed
 
 
+def scale_run(workers: int, seconds: float, settle: bool, report: Report) -> None:
+    scenario = SwarmScenario(
+        seed=1,
+        duration_s=seconds,
+        stages=10,
+        workers_per_stage=max(1, workers // 10),
+        trainers=max(1, workers // 20),
+        lanes=2,
+        forward_ms=500.0,
+        backward_ms=1000.0,
+        speed=(0.5, 1.5),
+        dht_members=workers,
+        start_batch=100,
+        settle_gossip_s=300.0 if settle else 0.0,
+    )
+    summary = run_swarm_scenario(scenario).summary
+    name = f"scale_{summary['workers']}_workers"
+    report.note(
+        f"{summary['workers']} workers, {summary['dht_members']} DHT members, {summary['trainers']} trainers: "
+        f"the seed sees {summary['seed_sees_live']} live; up after {summary['startup_virtual_s']:.1f} virtual s"
+        + (f" (gossip settled after {summary['gossip_settled_s']} more)" if settle else "")
+        + f"; {summary['messages']} messages, {summary['lost']} samples lost, digest {summary['digest']}"
+    )
+    report.add(f"{name}_startup_real_s", summary["startup_real_s"], "s")
+    report.compare(
+        f"{name}_virtual_s_per_real_s",
+        summary["steady_virtual_s_per_real_s"],
+        1.0,
+        "x real time",
+        target=">= 10",
+    )
+    report.add(f"{name}_run_real_s", summary["real_s"], "s")
+    report.add(f"{name}_peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "MB")
+
+
 def replay_digests(seed: int) -> list[str]:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     return [
@@ -94,6 +137,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 250])
     parser.add_argument("--seconds", type=float, default=30.0, help="virtual seconds measured per size")
     parser.add_argument("--workers", type=int, default=4, help="workers per stage of the swarm (4 stages)")
+    parser.add_argument("--scale", type=int, default=0, help="also run W workers + W members + W/20 trainers")
+    parser.add_argument(
+        "--settle", action="store_true", help="--scale: measure once the joins' gossip stopped"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     configure_logging(level="error")
@@ -124,6 +171,8 @@ def main() -> None:
     name = f"swarm_{summary['workers']}_workers"
     report.compare(f"{name}_virtual_s_per_real_s", summary["steady_virtual_s_per_real_s"], 1.0, "x real time")
     report.add(f"{name}_samples_per_virtual_s", summary["samples_per_s"], "samples/s")
+    if args.scale:
+        scale_run(args.scale, args.seconds, args.settle, report)
     digests = replay_digests(seed=7)
     report.note(f"replay digests: {digests}")
     report.add("same_seed_same_digest_across_processes", float(len(set(digests)) == 1), "bool", target="1")

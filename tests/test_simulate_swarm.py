@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -103,9 +104,17 @@ def test_the_costliest_stage_is_the_bottleneck_and_a_cost_per_stage_is_checked()
 
 def test_workers_started_in_batches_beside_stageless_members_train_and_replay():
     crowded = SwarmScenario(
-        **{**SMALL.__dict__, "duration_s": 30.0, "workers_per_stage": 3, "dht_members": 6, "start_batch": 4}
+        **{
+            **SMALL.__dict__,
+            "duration_s": 30.0,
+            "workers_per_stage": 3,
+            "dht_members": 6,
+            "start_batch": 4,
+            "settle_gossip_s": 60.0,
+        }
     )
     first = run_swarm_scenario(crowded).summary
+    assert 0 < first["gossip_settled_s"] < 60.0  # the joins' news stopped circulating first
     # the seed, 6 workers, 6 stageless members and the trainer: all in the seed's view
     assert first["dht_members"] == 14 and first["seed_sees_live"] == 14
     assert first["completed"] > 20 and first["lost"] == 0 and first["completed_twice"] == 0
@@ -114,3 +123,11 @@ def test_workers_started_in_batches_beside_stageless_members_train_and_replay():
     assert run_swarm_scenario(crowded).summary["digest"] == first["digest"]
     with pytest.raises(ScenarioError, match="start_batch"):
         parse_swarm({"swarm": {"start_batch": 0}})
+    with pytest.raises(ScenarioError, match="settle_gossip_s"):
+        parse_swarm({"swarm": {"settle_gossip_s": -1.0}})
+
+
+def test_the_scale_example_is_the_issues_thousand_workers_thousand_members_fifty_trainers():
+    scale = parse_swarm(tomllib.loads((ROOT / "examples" / "sim" / "scale.toml").read_text()))
+    assert (scale.stages * scale.workers_per_stage, scale.dht_members, scale.trainers) == (1000, 1000, 50)
+    assert scale.start_batch > 1  # one after another, a thousand joins take many virtual minutes

@@ -20,6 +20,8 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
     dht_members = 0           # DHT members that host no stage (the run's other nodes: monitors...)
     start_batch = 1           # workers (members, trainers) started together; 1: one after another
+    settle_gossip_s = 0.0     # up to this long after start-up for the joins' news to stop
+                              # circulating before the measured stretch (training goes on)
 
 and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
 
@@ -37,6 +39,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +81,7 @@ class SwarmScenario:
     worker_joins_per_min: float = 0.0
     dht_members: int = 0
     start_batch: int = 1
+    settle_gossip_s: float = 0.0
     links: LinkRange = field(default_factory=LinkRange)
     faults: SwarmFaults = field(default_factory=SwarmFaults)
 
@@ -88,8 +92,8 @@ class SwarmScenario:
             raise ScenarioError("swarm.speed must be [low, high] with 0 < low <= high")
         if self.stage_cost and (len(self.stage_cost) != self.stages or min(self.stage_cost) <= 0):
             raise ScenarioError("swarm.stage_cost needs one positive factor per stage")
-        if self.dht_members < 0 or self.start_batch < 1:
-            raise ScenarioError("swarm: dht_members >= 0 and start_batch >= 1")
+        if self.dht_members < 0 or self.start_batch < 1 or self.settle_gossip_s < 0:
+            raise ScenarioError("swarm: dht_members >= 0, start_batch >= 1 and settle_gossip_s >= 0")
         if self.duration_s <= 0 or self.forward_ms < 0 or self.backward_ms < 0:
             raise ScenarioError("run.duration_s must be positive, swarm.*_ms >= 0")
 
@@ -255,15 +259,37 @@ class _Swarm:
                     self.train_tasks.append(self.sim.loop.create_task(trainer.train()))
                 self.trainers.append(trainer)
 
+    def dht_nodes(self) -> list[DhtNode]:
+        workers = [self.workers[i].dht for i in self.live()]
+        return [self.seed, *workers, *self.members, *(t.dht for t in self.trainers)]
+
+    def settle(self, limit_s: float) -> float | None:
+        """Virtual seconds until no node has a membership update left to gossip (None when
+        ``limit_s`` passes first; 0 without a limit). A swarm that all joins within seconds
+        repeats each join about 4 log2(N) times to everyone, a burst no real run sees."""
+        if limit_s <= 0:
+            return 0.0
+        started = self.sim.elapsed_s
+        while any(node.table.pending_gossip for node in self.dht_nodes()):
+            if self.sim.elapsed_s - started >= limit_s:
+                return None
+            self.sim.run_for(1.0)
+        return self.sim.elapsed_s - started
+
     def live(self, stage: int | None = None) -> list[int]:
         return [i for i, w in enumerate(self.workers) if i not in self.dead and stage in (None, w.stage)]
 
 
 def run_swarm_scenario(
-    scenario: SwarmScenario, *, shards: Path | None = None, check: bool = False
+    scenario: SwarmScenario,
+    *,
+    shards: Path | None = None,
+    check: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> SwarmResult:
     """Run ``scenario``; with ``check``, settle it afterwards and check what must hold
-    (``sim_swarm_faults.check_settled``): the violations are in the summary."""
+    (``sim_swarm_faults.check_settled``): the violations are in the summary. ``progress``
+    hears each start-up phase as it ends (a thousand workers take minutes to come up)."""
     torch.manual_seed(scenario.seed)  # the surrogates' untrained parameters: part of the replay
     real_started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="agora-sim-") as scratch:
@@ -276,9 +302,21 @@ def run_swarm_scenario(
             )
         with Simulation(seed=scenario.seed) as sim:
             swarm = _Swarm(sim, scenario, run, folder)
+
+            def phase(what: str) -> None:
+                if progress is not None:
+                    real_s = time.perf_counter() - real_started
+                    progress(f"{what} ({sim.elapsed_s:.1f} virtual s, {real_s:.1f} real s)")
+
             swarm.start_workers()
+            phase(f"{len(swarm.workers)} workers up")
             swarm.start_members()
+            phase(f"{len(swarm.members)} stageless DHT members up")
             swarm.start_trainers(shards)
+            phase(f"{len(swarm.trainers)} trainers up")
+            settled_s = swarm.settle(scenario.settle_gossip_s)
+            if scenario.settle_gossip_s:
+                phase("the joins' gossip " + ("settled" if settled_s is not None else "still circulating"))
             startup_real_s = time.perf_counter() - real_started
             started_s = sim.elapsed_s
             busy_before = [w.runtime.compute_seconds for w in swarm.workers]
@@ -291,6 +329,7 @@ def run_swarm_scenario(
             summary = _summary(scenario, swarm, busy_before, elapsed_s)
             summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
             summary["startup_virtual_s"], summary["startup_real_s"] = started_s, startup_real_s
+            summary["gossip_settled_s"] = settled_s
             summary["digest"] = sim.digest()
             summary["messages"] = sim.trace.messages
             summary["virtual_s"] = sim.elapsed_s

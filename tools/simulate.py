@@ -135,7 +135,7 @@ def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) 
             f"simulating {scenario.stages} stages x {scenario.workers_per_stage} workers, {scenario.trainers} "
             f"trainer(s), for {scenario.duration_s:g} virtual s (seed {scenario.seed})"
         )
-    summary = run_swarm_scenario(scenario).summary
+    summary = run_swarm_scenario(scenario, progress=lambda line: click.echo(line, err=True)).summary
     if as_json:
         click.echo(json.dumps(summary))
     else:

@@ -361,7 +361,7 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         ]
         utilization.append(sum(busy) / len(busy))
     rounds = [r for w in workers for r in w.averager.reports]
-    grouped = [r.seconds for r in rounds if r.group_size >= 2 and r.averaging_success > 0]
+    grouped = [r for r in rounds if r.group_size >= 2 and r.averaging_success > 0]
     completed = sum(t.counters.completed for t in trainers)
     return {
         "seed": scenario.seed,
@@ -384,7 +384,8 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         "averaging_success": sum(r.averaging_success for r in rounds) / len(rounds) if rounds else None,
         "averaging_round_s": sum(r.seconds for r in rounds) / len(rounds) if rounds else None,
         # rounds that averaged with someone (a lone replica's end when its window does)
-        "averaging_group_round_s": statistics.median(grouped) if grouped else None,
+        "averaging_group_round_s": statistics.median(r.seconds for r in grouped) if grouped else None,
+        "averaging_allreduce_s": statistics.median(r.allreduce_s for r in grouped) if grouped else None,
         "completed": completed,
         # every sample taken from the shards is completed, on its way, or waiting to run again
         "lost": sum(

@@ -86,6 +86,44 @@ def test_a_large_message_pays_the_slower_pipe_of_its_path():
         assert 1.1 < elapsed_s < 1.2
 
 
+def test_a_tcp_window_caps_a_bulk_transfer_on_a_long_path_and_costs_a_small_message_nothing():
+    import numpy as np
+
+    window, one_way = 64 * 1024, 0.05  # each end's share: a round trip of 0.2 s
+    fast = dict(up_bits_per_s=800e6, down_bits_per_s=800e6, latency_s=one_way)
+    payload = {"x": np.random.default_rng(0).random(1_000_000 // 4, dtype=np.float32)}  # incompressible
+    elapsed = {}
+    for name, window_bytes in (("unlimited", None), ("windowed", window)):
+        with Simulation(seed=1) as sim:
+            server, client, _, client_host = echo_pair(
+                sim, LinkModel(**fast, window_bytes=window_bytes), LinkModel(**fast)
+            )
+            timed_call(sim, client, client_host, server.address, "echo", {})  # connected
+            _, small_s = timed_call(sim, client, client_host, server.address, "echo", {"n": 1})
+            assert small_s == pytest.approx(0.2, abs=1e-3)  # a message inside the window pays no wait
+            reply, elapsed[name] = timed_call(sim, client, client_host, server.address, "echo", {}, payload)
+            assert np.array_equal(reply.tensors["x"], payload["x"])
+            with client_host.active():
+                sim.run(client.close())
+    # Unlimited: a round trip plus 1 MB through 800 Mbit pipes each way.
+    assert elapsed["unlimited"] < 0.25
+    # Windowed: past the first window, each way moves at a window per round trip.
+    per_way_s = (1_000_000 / window - 1) * 0.2 + 0.1
+    assert elapsed["windowed"] == pytest.approx(2 * per_way_s, rel=0.05)
+
+
+def test_a_window_must_be_positive():
+    import random
+
+    from agora_core.sim.dht_swarm import LinkRange
+
+    with pytest.raises(ValueError, match="window_bytes"):
+        LinkModel(window_bytes=0)
+    with pytest.raises(ValueError, match="window_kb"):
+        LinkRange(window_kb=-1.0)
+    assert LinkRange(window_kb=64).draw(random.Random(0)).window_bytes == 65536
+
+
 def test_a_partition_times_calls_out_and_healing_it_lets_them_through():
     with Simulation(seed=1) as sim:
         server, client, server_host, client_host = echo_pair(

@@ -31,12 +31,15 @@ class LinkRange:
     one_way_ms: tuple[float, float] = (2.5, 37.5)  # a host's share: a path's round trip is 2 x (a + b)
     jitter_ms: float = 2.0
     loss: float = 0.0
+    window_kb: float | None = None  # every host's TCP window (None: unlimited; see sim.links)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_mbit", "one_way_ms"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
                 raise ValueError(f"LinkRange.{name} must be (low, high) with 0 <= low <= high")
+        if self.window_kb is not None and not self.window_kb > 0:
+            raise ValueError("LinkRange.window_kb must be positive (or absent: unlimited)")
 
     def draw(self, rng) -> LinkModel:
         up = rng.uniform(*self.bandwidth_mbit) * MBIT
@@ -47,6 +50,7 @@ class LinkRange:
             latency_s=rng.uniform(*self.one_way_ms) / 1000.0,
             jitter_s=self.jitter_ms / 1000.0,
             loss=self.loss,
+            window_bytes=None if self.window_kb is None else max(1, round(self.window_kb * 1024)),
         )
 
 

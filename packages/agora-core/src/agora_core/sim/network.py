@@ -19,7 +19,7 @@ from agora_core.rpc.network import LOST, REFUSED, UP, OnEvent, OnFrames
 from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import RpcConfig
 from agora_core.sim.hosts import SimHost, current_host
-from agora_core.sim.links import LinkModel, crossing_s, one_way_s
+from agora_core.sim.links import LinkModel, StreamWindow, crossing_s, one_way_s, path_window
 from agora_core.sim.trace import Trace
 
 
@@ -45,6 +45,7 @@ class _Connection:
         "server",
         "up",
         "waiting",
+        "windows",
     )
 
     def __init__(self, client: SimClientEndpoint, routing_id: bytes, address: str):
@@ -62,6 +63,9 @@ class _Connection:
         self.in_flight: tuple[collections.deque, collections.deque] = (
             collections.deque(),
             collections.deque(),
+        )
+        self.windows: tuple[StreamWindow, StreamWindow] | None = (
+            None  # per direction, if a TCP window applies
         )
 
 
@@ -302,6 +306,10 @@ class SimNetwork:
             return
         server.accept(connection)
         connection.up = True
+        window = path_window(client.host.link.model, dst.link.model)
+        if window is not None:
+            round_trip_s = 2 * one_way_s(client.host.link.model, dst.link.model)
+            connection.windows = (StreamWindow(window, round_trip_s), StreamWindow(window, round_trip_s))
         self.trace.record(self.now(), Trace.CONNECTED, client.host.index, dst.index)
         client.on_event(UP, connection.address, "")
         waiting, connection.waiting = connection.waiting, []
@@ -336,6 +344,8 @@ class SimNetwork:
         self.trace.message(now, src.index, dst.index, frames[0] if frames else b"", nbytes)
         departed = src.link.departure(now, nbytes)
         direction = 0 if to_server else 1
+        if connection.windows is not None:  # the stream's own pace: a window per round trip
+            departed = max(departed, connection.windows[direction].release(now, nbytes))
         arrived = max(
             departed + crossing_s(src.link.model, dst.link.model, self.rng),
             connection.last_arrival[direction],

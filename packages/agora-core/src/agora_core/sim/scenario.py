@@ -13,6 +13,7 @@
     one_way_ms = [2.5, 37.5]  # a path's round trip is 2 x (a + b): 10-150 ms
     jitter_ms = 2.0
     loss = 0.0
+    # window_kb = 64         # each connection's TCP window (absent: unlimited)
 
     [churn]                  # Poisson processes, per minute of virtual time
     joins_per_min = 2.0
@@ -120,7 +121,7 @@ def parse_scenario(data: dict) -> Scenario:
         raise ScenarioError(f"unknown tables: {', '.join(sorted(unknown))}")
     run = _table(data, "run", {"seed", "duration_s", "sample_s"})
     dht = _table(data, "dht", {"members"})
-    links = _table(data, "links", {"bandwidth_mbit", "one_way_ms", "jitter_ms", "loss"})
+    links = _table(data, "links", {"bandwidth_mbit", "one_way_ms", "jitter_ms", "loss", "window_kb"})
     churn = _table(data, "churn", {"joins_per_min", "departures_per_min"})
     ops = _table(data, "ops", {"per_s"})
     faults = _table(data, "faults", {f.name for f in fields(Faults)})

@@ -47,6 +47,7 @@ class RoundReport:
     steps_during: int = 0  # optimizer steps this peer took while the round ran (kept: delta rule)
     matchmaking_failed: bool = False  # no group could be formed (not: this peer was alone)
     reducers: int = 0  # reducers in the group (none: nobody could average)
+    allreduce_s: float = 0.0  # of ``seconds``, the exchange (and applying it) once the group formed
 
 
 class Averager:
@@ -208,6 +209,7 @@ class Averager:
                 )
             )
         self.active_group_size = len(group.members)
+        formed = world.monotonic()
         result = await all_reduce(
             board=self.board,
             client=self._client,
@@ -233,6 +235,7 @@ class Averager:
             excluded=result.excluded,
             steps_during=steps_during,
             reducers=len(group.reducers),
+            allreduce_s=world.monotonic() - formed,
         )
         return self._finish(report)
 

@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 from agora_core.config.run import DhtConfig
+from agora_core.contract import Method
+from agora_core.errors import PeerUnreachable, RpcError
+from agora_core.rpc import RpcClient
 from agora_core.sim import Simulation
 from agora_core.sim.dht_swarm import LinkRange, SimDhtSwarm
 
@@ -81,3 +84,34 @@ def test_a_fixed_hash_seed_replays_the_trace_across_processes():
         for _ in range(2)
     }
     assert len(digests) == 1
+
+
+def run_authorized(seed: int, members: int = 12):
+    with Simulation(seed=seed) as sim:
+        swarm = SimDhtSwarm(sim, links=LinkRange(), config=DhtConfig(), authorized=True)
+        swarm.add(members)
+        joined_s = swarm.run_until(swarm.converged, limit_s=60.0)
+        _, gets = swarm.measure_ops(5)
+        digest = sim.digest()
+        outsider = sim.network.add_host("outsider")
+        with outsider.active():
+            client = RpcClient()  # no credential, no key: an open run's client
+
+            async def ask():
+                try:
+                    await client.call(swarm.nodes[0].address, Method.DHT_MEMBERS, {}, timeout_s=5.0)
+                except RpcError as exc:
+                    return exc
+                finally:
+                    await client.close()
+
+            refusal = sim.run(ask())
+        swarm.stop()
+        return joined_s, gets, digest, refusal
+
+
+def test_an_authorized_dht_converges_and_serves_over_curve_refuses_outsiders_and_replays():
+    joined_s, gets, digest, refusal = run_authorized(seed=3)
+    assert joined_s is not None and len(gets) == 5
+    assert isinstance(refusal, PeerUnreachable), refusal  # served nothing
+    assert run_authorized(seed=3)[2] == digest  # credentials and keys come from the seed too

@@ -196,15 +196,86 @@ def test_jitter_never_reorders_the_messages_of_one_connection():
         assert seen == list(range(50))
 
 
-def test_an_authorized_run_is_refused_with_a_clear_error():
-    from agora_core.sim.network import SimNetwork
+def secured_echo(sim: Simulation, authority, server_host, *, access=None):
+    """An authorized run's echo server on ``server_host``: it answers with the caller it saw."""
+    from agora_core.identity import NodeKey
 
+    key = NodeKey.generate()
+    with server_host.active():
+        server = RpcServer(security=authority.security(key, authority.credential(key)), node_id=key.node_id)
+        server.register(
+            "echo",
+            lambda request: Payload({"sender": request.sender}),
+            **({} if access is None else {"access": access}),
+        )
+        sim.run(server.start())
+    return server, key
+
+
+def secured_client(authority, host, credential: bool = True, **credential_fields):
+    from agora_core.identity import NodeKey
+
+    key = NodeKey.generate()
+    held = authority.credential(key, **credential_fields) if credential else None
+    with host.active():
+        return RpcClient(security=authority.security(key, held), node_id=key.node_id), key
+
+
+def test_an_authorized_call_pays_the_curve_handshake_and_names_the_authenticated_caller():
+    from agora_core.auth.testing import TestAuthority
+
+    authority = TestAuthority()
     with Simulation(seed=1) as sim:
-        assert isinstance(world.network(), SimNetwork)
-        with pytest.raises(NotImplementedError, match="open runs only"):
-            sim.network.open_server(
-                listen="127.0.0.1:0", config=None, link=None, on_frames=print, guard=object()
-            )
+        server_host = sim.network.add_host("server", LinkModel(latency_s=0.05))
+        client_host = sim.network.add_host("client", LinkModel(latency_s=0.05))
+        server, server_key = secured_echo(sim, authority, server_host)
+        client, caller = secured_client(authority, client_host)
+        client.security.expect(server.address, server_key.public_key)
+        round_trip_s = 0.2
+        reply, first_s = timed_call(sim, client, client_host, server.address, "echo", {})
+        assert reply.meta == {"sender": caller.node_id}  # the key it proved, not a claim
+        # TCP, then CURVE's two round trips, then the greeting (credentials), then the call
+        assert first_s == pytest.approx(5 * round_trip_s, abs=1e-3)
+        _, second_s = timed_call(sim, client, client_host, server.address, "echo", {})
+        assert second_s == pytest.approx(round_trip_s, abs=1e-3)
+        with client_host.active():
+            sim.run(client.close())
+
+
+def test_an_authorized_server_refuses_the_wrong_key_an_open_client_and_a_caller_it_does_not_serve():
+    from agora_core.auth.access import only
+    from agora_core.auth.testing import TestAuthority
+    from agora_core.errors import Forbidden, PeerRefused
+    from agora_core.identity import NodeKey
+
+    authority = TestAuthority()
+    with Simulation(seed=1) as sim:
+        server_host = sim.network.add_host("server", LinkModel(latency_s=0.01))
+        client_host = sim.network.add_host("client", LinkModel(latency_s=0.01))
+        server, server_key = secured_echo(sim, authority, server_host, access=only(("worker",), stage=1))
+        impostor_expected, _ = secured_client(authority, client_host, stage=1)
+        impostor_expected.security.expect(server.address, NodeKey.generate().public_key)
+        with pytest.raises(PeerRefused, match="does not hold the key"):
+            timed_call(sim, impostor_expected, client_host, server.address, "echo", {}, timeout_s=5.0)
+        with client_host.active():
+            open_client = RpcClient()
+        with pytest.raises(PeerUnreachable):  # an open client meets a secured server
+            timed_call(sim, open_client, client_host, server.address, "echo", {}, timeout_s=5.0)
+        uncredentialed, _ = secured_client(authority, client_host, credential=False)
+        uncredentialed.security.expect(server.address, server_key.public_key)
+        with pytest.raises(PeerRefused):
+            timed_call(sim, uncredentialed, client_host, server.address, "echo", {}, timeout_s=5.0)
+        other_stage, _ = secured_client(authority, client_host, stage=0)
+        other_stage.security.expect(server.address, server_key.public_key)
+        with pytest.raises(Forbidden):
+            timed_call(sim, other_stage, client_host, server.address, "echo", {}, timeout_s=5.0)
+        allowed, caller = secured_client(authority, client_host, stage=1)
+        allowed.security.expect(server.address, server_key.public_key)
+        reply, _ = timed_call(sim, allowed, client_host, server.address, "echo", {}, timeout_s=5.0)
+        assert reply.meta == {"sender": caller.node_id}
+        with client_host.active():
+            for client in (impostor_expected, open_client, uncredentialed, other_stage, allowed):
+                sim.run(client.close())
 
 
 def test_a_host_reads_its_own_skewed_wall_clock():

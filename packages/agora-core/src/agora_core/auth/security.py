@@ -16,7 +16,6 @@ handshake for a while (``refused_for_s``), and a revoked peer's key from then on
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +65,7 @@ class TransportSecurity:
         max_clock_skew_s: float = 10.0,
         refused_for_s: float = 30.0,
         recheck_s: float = 1.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ):
         self.key = key
         self.verifier = verifier
@@ -74,7 +73,9 @@ class TransportSecurity:
         self.max_clock_skew_s = max_clock_skew_s
         self.refused_for_s = refused_for_s
         self.recheck_s = recheck_s  # how often a client looks at its peers' credentials
-        self.clock = clock  # the wall clock this node presents and checks others' against
+        # the wall clock this node presents and checks others' against (world's: a simulated
+        # host's own, skew included)
+        self.clock = clock or (lambda: world.wall())
         self.curve_public, self.curve_secret = curve_keypair(key)
         self._callers: dict[str, PeerIdentity] = {}  # hex X25519 key -> identity (greeted)
         self._refused: dict[bytes, float] = {}  # X25519 key -> refused until (monotonic; inf)

@@ -11,10 +11,10 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from agora_core import world
 from agora_core.admission.credential import Credential, SignedCredential, issue_credential
 from agora_core.admission.credential_file import save_credential
 from agora_core.auth.peers import PeerVerifier
@@ -43,12 +43,12 @@ class TestAuthority:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, run: str = "auth-test", key: NodeKey | None = None):
+    def __init__(self, run: str = "auth-test", key: NodeKey | None = None, first_serial: int | None = None):
         self.run = run
         self.key = key or NodeKey.generate()
-        self._serials = itertools.count(
-            1 << 32 | int.from_bytes(os.urandom(4), "little")
-        )  # far from a database's
+        if first_serial is None:  # far from a database's (a simulation passes its own: replayed)
+            first_serial = 1 << 32 | int.from_bytes(os.urandom(4), "little")
+        self._serials = itertools.count(first_serial)
 
     def run_config(self) -> RunConfig:
         """A small authorized run naming this key."""
@@ -68,7 +68,7 @@ class TestAuthority:
         stage: int | None = 0,
         account: str = "tests",
     ) -> SignedCredential:
-        issued = time.time()
+        issued = world.wall()  # the simulator's clock in a simulated run
         fields = Credential(
             run=self.run if run is None else run,
             node_id=key.node_id,

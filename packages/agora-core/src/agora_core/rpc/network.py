@@ -91,12 +91,13 @@ _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)  # a connect attempt failed (refused, ...)
 # a CURVE handshake failed: the node there does not hold the key we expect (no detail, or a
 # protocol error), or its ZAP handler refused our key (auth)
+WRONG_KEY = "the node there does not hold the key expected of it"
+BROKEN_HANDSHAKE = "the secure handshake broke (is the node there in an open run?)"
+KEY_REFUSED = "the node there refused this node's key"
 _HANDSHAKE_FAILED = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "the node there does not hold the key expected of it",
-    int(
-        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    ): "the secure handshake broke (is the node there in an open run?)",
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the node there refused this node's key",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): WRONG_KEY,
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): BROKEN_HANDSHAKE,
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): KEY_REFUSED,
 }
 _EVENT_MASK = _UP | _DISCONNECTED | _CONNECT_RETRIED
 for _event in _HANDSHAKE_FAILED:

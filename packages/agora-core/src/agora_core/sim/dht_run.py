@@ -62,6 +62,7 @@ class DhtRunResult:
         return {
             "seed": self.scenario.seed,
             "members": self.scenario.members,
+            "authorized": self.scenario.authorized,
             "digest": self.digest,
             "join_s": self.join_s,
             "settle_s": self.settle_s,
@@ -220,7 +221,11 @@ def run_dht_scenario(scenario: Scenario) -> DhtRunResult:
     real_started = time.perf_counter()
     with Simulation(seed=scenario.seed) as sim:
         swarm = SimDhtSwarm(
-            sim, links=scenario.links, name="dht", max_clock_skew_s=scenario.faults.max_clock_skew_s
+            sim,
+            links=scenario.links,
+            name="dht",
+            max_clock_skew_s=scenario.faults.max_clock_skew_s,
+            authorized=scenario.authorized,
         )
         swarm.add(scenario.members)
         result.join_s = swarm.run_until(swarm.converged, limit_s=SETTLE_LIMIT_S)

@@ -3,7 +3,9 @@
 Each member gets a host of its own with a link drawn from the scenario's ranges and a key
 drawn from the seed, joins through members already up, and can be killed (its process dies),
 silenced (its link cut) or added later (a join). Operation latencies are measured in virtual
-time, as a node would see them.
+time, as a node would see them. ``authorized``: an authorized run, every member holding a
+credential of a run authority drawn from the seed and speaking over CURVE (:mod:`sim.curve`),
+each joiner told its bootstrap members' keys as a seed list names them.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agora_core import world
+from agora_core.auth.security import TransportSecurity
+from agora_core.auth.testing import TestAuthority
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode
+from agora_core.identity import NodeKey
 from agora_core.sim.hosts import SimHost
 from agora_core.sim.links import LinkModel
 from agora_core.sim.simulation import Simulation
@@ -63,8 +68,11 @@ class SimDhtSwarm:
         config: DhtConfig | None = None,
         name: str = "dht",
         max_clock_skew_s: float = 0.0,
+        authorized: bool = False,
     ):
         self.sim = sim
+        # the run authority: its key and serials from the seed, so the credentials replay
+        self.authority = TestAuthority(name, sim.key(), first_serial=1) if authorized else None
         self.links = links or LinkRange()
         self.config = config or DhtConfig()
         self.name = name
@@ -93,12 +101,28 @@ class SimDhtSwarm:
         host = self.sim.network.add_host(f"{self.name}-{index}", self.links.draw(self._rng))
         if self.max_clock_skew_s:
             host.skew_s = self._rng.uniform(-self.max_clock_skew_s, self.max_clock_skew_s)
-        bootstrap = [n.address for n in self._rng.sample(live, min(3, len(live)))]
+        through = self._rng.sample(live, min(3, len(live)))
+        key = self.sim.key()
         with host.active():
-            node = DhtNode(key=self.sim.key(), config=self.config, bootstrap=bootstrap)
+            node = DhtNode(
+                key=key,
+                config=self.config,
+                bootstrap=[n.address for n in through],
+                security=self._security(key, through),
+            )
         self.nodes.append(node)
         self.hosts[node.node_id] = host
         return node
+
+    def _security(self, key: NodeKey, bootstrap: list[DhtNode]) -> TransportSecurity | None:
+        if self.authority is None:
+            return None
+        # a year: nobody renews credentials in a simulated run
+        held = self.authority.credential(key, role="dht", stage=None, lifetime_s=365 * 86400.0)
+        security = self.authority.security(key, held, max_clock_skew_s=self.config.max_clock_skew_s)
+        for member in bootstrap:
+            security.expect(member.address, member.key.public_key)
+        return security
 
     async def join(self, node: DhtNode) -> None:
         with self.host_of(node).active():

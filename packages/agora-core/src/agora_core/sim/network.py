@@ -6,7 +6,8 @@ messages sent before it is up wait for it; a connection delivers in order and lo
 when a server closes or its host dies, its clients hear that the connection was lost one
 one-way latency later. A host fallen silent or cut off by a partition sends and receives
 nothing and nobody hears of it: calls to it time out, as across a real internet. Every message
-pays its hosts' link delays (:mod:`agora_core.sim.links`) and is folded into the trace.
+pays its hosts' link delays (:mod:`agora_core.sim.links`) and is folded into the trace. An
+authorized run's connections add CURVE's handshake and its refusals (:mod:`agora_core.sim.curve`).
 """
 
 from __future__ import annotations
@@ -15,23 +16,15 @@ import asyncio
 import collections
 import random
 
-from agora_core.rpc.network import LOST, REFUSED, UP, OnEvent, OnFrames
+from agora_core.auth.curve import curve_public_key
+from agora_core.rpc.network import LOST, REFUSED, REJECTED, UP, OnEvent, OnFrames
 from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import RpcConfig
+from agora_core.sim.curve import SECURE_HANDSHAKE_ROUND_TRIPS, caller_frame, handshake
+from agora_core.sim.frames import SimFrame
 from agora_core.sim.hosts import SimHost, current_host
 from agora_core.sim.links import LinkModel, StreamWindow, crossing_s, one_way_s, path_window
 from agora_core.sim.trace import Trace
-
-
-class SimFrame(bytearray):
-    """A received frame: a writable buffer (as a ``zmq.Frame``'s is: decoded tensors may be
-    written in place), with the ``.bytes`` a ``zmq.Frame`` has."""
-
-    __slots__ = ()
-
-    @property
-    def bytes(self) -> bytes:
-        return bytes(self)
 
 
 class _Connection:
@@ -43,7 +36,9 @@ class _Connection:
         "last_arrival",
         "routing_id",
         "server",
+        "server_key",
         "up",
+        "user_id",
         "waiting",
         "windows",
     )
@@ -64,9 +59,9 @@ class _Connection:
             collections.deque(),
             collections.deque(),
         )
-        self.windows: tuple[StreamWindow, StreamWindow] | None = (
-            None  # per direction, if a TCP window applies
-        )
+        self.windows: tuple[StreamWindow, StreamWindow] | None = None  # per direction (a TCP window)
+        self.server_key: bytes | None = None  # the X25519 key the client expects there (secured)
+        self.user_id: str | None = None  # the client's key as the server admitted it (secured)
 
 
 class SimEndpoint:
@@ -104,9 +99,10 @@ class SimEndpoint:
 
 
 class SimServerEndpoint(SimEndpoint):
-    def __init__(self, network: SimNetwork, host: SimHost, on_frames: OnFrames, address: str):
+    def __init__(self, network: SimNetwork, host: SimHost, on_frames: OnFrames, address: str, guard):
         super().__init__(network, host, on_frames)
         self.address = address
+        self.guard = guard  # ServerSecurity of an authorized run's server; None: open
         self.connections: dict[bytes, _Connection] = {}
         self._identities = 0
 
@@ -134,16 +130,24 @@ class SimServerEndpoint(SimEndpoint):
 
 class SimClientEndpoint(SimEndpoint):
     def __init__(
-        self, network: SimNetwork, host: SimHost, on_frames: OnFrames, on_event: OnEvent, config: RpcConfig
+        self,
+        network: SimNetwork,
+        host: SimHost,
+        on_frames: OnFrames,
+        on_event: OnEvent,
+        config: RpcConfig,
+        security=None,
     ):
         super().__init__(network, host, on_frames)
         self.on_event = on_event
         self.config = config
+        self.security = security  # TransportSecurity of an authorized run's client; None: open
         self.by_routing_id: dict[bytes, _Connection] = {}
         self.by_address: dict[str, _Connection] = {}
 
     def connect(self, address: str, routing_id: bytes, server_key: bytes | None) -> None:
         connection = _Connection(self, routing_id, address)
+        connection.server_key = None if server_key is None else curve_public_key(server_key)
         self.by_routing_id[routing_id] = connection
         self.by_address[address] = connection
         self.network.dial(connection)
@@ -219,8 +223,6 @@ class SimNetwork:
     def open_server(
         self, *, listen: str, config: RpcConfig, link, on_frames: OnFrames, guard
     ) -> SimServerEndpoint:
-        if guard is not None:
-            raise NotImplementedError("the simulated network carries open runs only (no CURVE)")
         host = self._host()
         ip, _, port = listen.removeprefix("tcp://").rpartition(":")
         if ip not in ("127.0.0.1", "0.0.0.0", "localhost", "*", host.ip):
@@ -228,16 +230,14 @@ class SimNetwork:
         address = f"tcp://{host.ip}:{host.port() if port in ('0', '*') else int(port)}"
         if address in self._servers:
             raise OSError(f"cannot listen on {listen}: {address} is in use")
-        server = SimServerEndpoint(self, host, on_frames, address)
+        server = SimServerEndpoint(self, host, on_frames, address, guard)
         self._servers[address] = server
         return server
 
     def open_client(
         self, *, config: RpcConfig, link, on_frames: OnFrames, on_event: OnEvent, security
     ) -> SimClientEndpoint:
-        if security is not None:
-            raise NotImplementedError("the simulated network carries open runs only (no CURVE)")
-        return SimClientEndpoint(self, self._host(), on_frames, on_event, config)
+        return SimClientEndpoint(self, self._host(), on_frames, on_event, config, security)
 
     def unbind(self, server: SimServerEndpoint) -> None:
         if self._servers.get(server.address) is server:
@@ -288,6 +288,8 @@ class SimNetwork:
             self.loop.call_at(self.now() + delay, self._redial, connection)
             return
         round_trip_s = 2 * one_way_s(src.link.model, dst.link.model)
+        if connection.server_key is not None:  # CURVE's HELLO/WELCOME and INITIATE/READY too
+            round_trip_s *= 1 + SECURE_HANDSHAKE_ROUND_TRIPS
         self.loop.call_at(self.now() + round_trip_s, self._answer, connection, dst)
 
     def _redial(self, connection: _Connection) -> None:
@@ -303,6 +305,11 @@ class SimNetwork:
         if server is None or server.closed:
             self.trace.record(self.now(), Trace.REFUSED, client.host.index, dst.index)
             client.on_event(REFUSED, connection.address, "")
+            return
+        rejected = handshake(connection, server)
+        if rejected:
+            self.trace.record(self.now(), Trace.REJECTED, client.host.index, dst.index)
+            client.on_event(REJECTED, connection.address, rejected)
             return
         server.accept(connection)
         connection.up = True
@@ -367,7 +374,10 @@ class SimNetwork:
         if to_server:
             server = connection.server
             if server.connections.get(connection.identity) is connection:
-                server.deliver([SimFrame(connection.identity), *frames])
+                first = (
+                    SimFrame(connection.identity) if connection.user_id is None else caller_frame(connection)
+                )
+                server.deliver([first, *frames])
         else:
             client = connection.client
             if client.by_routing_id.get(connection.routing_id) is connection:

@@ -7,6 +7,7 @@
 
     [dht]
     members = 200
+    authorized = false       # true: an authorized run (credentials, CURVE on every connection)
 
     [links]                  # each host's link, drawn uniformly (the report's consumer links)
     bandwidth_mbit = [100, 1000]
@@ -81,6 +82,7 @@ class Scenario:
     duration_s: float = 120.0
     sample_s: float = 5.0
     members: int = 64
+    authorized: bool = False
     links: LinkRange = field(default_factory=LinkRange)
     churn: Churn = field(default_factory=Churn)
     ops_per_s: float = 1.0
@@ -120,7 +122,9 @@ def parse_scenario(data: dict) -> Scenario:
     if unknown:
         raise ScenarioError(f"unknown tables: {', '.join(sorted(unknown))}")
     run = _table(data, "run", {"seed", "duration_s", "sample_s"})
-    dht = _table(data, "dht", {"members"})
+    dht = _table(data, "dht", {"members", "authorized"})
+    if not isinstance(dht.get("authorized", False), bool):
+        raise ScenarioError("dht.authorized must be true or false")
     links = _table(data, "links", {"bandwidth_mbit", "one_way_ms", "jitter_ms", "loss", "window_kb"})
     churn = _table(data, "churn", {"joins_per_min", "departures_per_min"})
     ops = _table(data, "ops", {"per_s"})
@@ -134,6 +138,7 @@ def parse_scenario(data: dict) -> Scenario:
             duration_s=float(run.get("duration_s", 120.0)),
             sample_s=float(run.get("sample_s", 5.0)),
             members=int(dht.get("members", 64)),
+            authorized=dht.get("authorized", False),
             links=link_range,
             churn=Churn(**{k: float(v) for k, v in churn.items()}),
             ops_per_s=float(ops.get("per_s", 1.0)),

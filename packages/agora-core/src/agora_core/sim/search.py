@@ -50,6 +50,7 @@ def random_scenario(seed: int) -> Scenario:
             # within what the run tolerates: records are refused beyond max_clock_skew_s
             max_clock_skew_s=rng.choice([0.0, 1.0, DhtConfig().max_clock_skew_s / 2]),
         ),
+        authorized=rng.random() < 0.3,  # drawn last: the seeds' other draws stay as they were
     )
 
 
@@ -69,7 +70,8 @@ class SearchOutcome:
         summary = self.result.summary()
         scenario = self.result.scenario
         text = (
-            f"seed {self.seed}: {scenario.members} members, {scenario.duration_s:.0f} s, "
+            f"seed {self.seed}: {scenario.members} {'authorized ' if scenario.authorized else ''}members, "
+            f"{scenario.duration_s:.0f} s, "
             f"{summary['joins']} joins, {summary['departures']} departures, {summary['partitions']} partitions, "
             f"{summary['silences']} silences; {summary['ops']} ops, {summary['missed_reads']} missed while faulty"
         )

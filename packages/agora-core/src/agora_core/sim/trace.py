@@ -13,7 +13,7 @@ class Trace:
     """Counts and digests every network event: messages sent, delivered and dropped, connection
     changes, faults. Hosts appear by their index (stable for a scenario and seed)."""
 
-    SENT, DELIVERED, DROPPED, CONNECTED, LOST, REFUSED, FAULT = range(7)
+    SENT, DELIVERED, DROPPED, CONNECTED, LOST, REFUSED, FAULT, REJECTED = range(8)
 
     def __init__(self) -> None:
         self._hash = hashlib.blake2b(digest_size=16)

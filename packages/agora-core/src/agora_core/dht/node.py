@@ -106,6 +106,7 @@ class DhtNode:
         self._member_listeners: list[Callable[[str, bytes], None]] = []
         self.gossip: Gossip | None = None
         self.table: MemberTable | None = None
+        self._live_ids: tuple[list, frozenset[str]] = ([], frozenset())  # (the live list, its ids)
         self._alive_cache: Ring[Member] | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -199,10 +200,14 @@ class DhtNode:
         """Live members (alive or suspect), this node included, ordered by id."""
         return self.table.live() if self.table else []
 
-    def live_ids(self) -> set[str]:
+    def live_ids(self) -> frozenset[str]:
         """Ids of the live members: entries a crashed node published outlive it by up to their
-        TTL, its membership only until its failed probes mark it dead."""
-        return {m.node_id for m in self.members()}
+        TTL, its membership only until its failed probes mark it dead. Worked out once per
+        change of the table (its live list is then a new list): every progress tick reads it."""
+        live = self.members()
+        if live is not self._live_ids[0]:
+            self._live_ids = (live, frozenset(m.node_id for m in live))
+        return self._live_ids[1]
 
     def gone(self, node_id: str) -> bool:
         """Whether this node holds ``node_id`` dead or left (its tombstone): calls to it would

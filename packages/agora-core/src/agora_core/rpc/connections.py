@@ -115,8 +115,10 @@ class ClientConnections:
             return peer
         endpoint = self._socket()
         if len(self._peers) >= self.config.max_connections:
-            for idle in [p for p in self._peers.values() if not p.busy][:1]:
-                self._drop(idle, None)  # the least recently used idle connection
+            # the least recently used idle connection (the first found: the map is in LRU order)
+            idle = next((p for p in self._peers.values() if not p.busy), None)
+            if idle is not None:
+                self._drop(idle, None)
         peer = PeerConnection(address, b"p%d" % next(self._routing_ids))
         if self.security is not None:
             peer.public_key, peer.credentialed = self.security.server_key(address)

@@ -91,6 +91,27 @@ def test_workers_dying_and_joining_mid_run_lose_no_sample_and_the_run_replays():
     assert second["digest"] == first["digest"]  # state downloads and kills replay too
 
 
+def test_a_crashed_trainer_restarts_on_its_state_file_repeating_and_skipping_nothing():
+    crashing = SwarmScenario(
+        **{
+            **SMALL.__dict__,
+            "duration_s": 60.0,
+            "trainers": 2,
+            "lanes": 3,
+            "trainer_crashes_per_min": 5.0,
+            "trainer_restart_s": 5.0,
+        }
+    )
+    summary = run_swarm_scenario(crashing, check=True).summary
+    assert summary["trainer_crashes"] >= 1 and summary["trainer_restarts"] == summary["trainer_crashes"]
+    assert summary["crashed_trainers_held"] > 0  # the crashes left samples in flight to take up
+    assert summary["violations"] == [], summary["violations"]  # none repeated, none skipped, none lost
+    assert summary["completed_twice"] == 0 and summary["lost"] == 0
+    assert summary["completed"] > 40
+    with pytest.raises(ScenarioError, match="trainer_restart_s"):
+        parse_swarm({"swarm": {"trainer_restart_s": 0.0}})
+
+
 def test_the_costliest_stage_is_the_bottleneck_and_a_cost_per_stage_is_checked():
     uneven = SwarmScenario(
         **{**SMALL.__dict__, "duration_s": 20.0, "stage_cost": (1.0, 3.0), "speed": (1.0, 1.0)}

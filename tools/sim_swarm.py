@@ -18,6 +18,8 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
     worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
+    trainer_crashes_per_min = 0.0    # trainers whose process dies (sim_swarm_trainers) ...
+    trainer_restart_s = 10.0         # ... and restarts this long after on its own state file
     dht_members = 0           # DHT members that host no stage (the run's other nodes: monitors...)
     start_batch = 1           # workers (members, trainers) started together; 1: one after another
     settle_gossip_s = 0.0     # up to this long after start-up for the joins' news to stop
@@ -52,10 +54,11 @@ from agora_core.sim.dht_swarm import LinkRange
 from agora_core.sim.scenario import ScenarioError
 from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
-from agora_trainer.trainer import Trainer, TrainerSettings
+from agora_trainer.trainer import Trainer
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 from sim_swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
+from sim_swarm_trainers import SwarmTrainers
 
 SEQ_LEN = 128
 
@@ -79,6 +82,8 @@ class SwarmScenario:
     averaged_parameters: int = 0
     worker_departures_per_min: float = 0.0
     worker_joins_per_min: float = 0.0
+    trainer_crashes_per_min: float = 0.0
+    trainer_restart_s: float = 10.0
     dht_members: int = 0
     start_batch: int = 1
     settle_gossip_s: float = 0.0
@@ -96,6 +101,8 @@ class SwarmScenario:
             raise ScenarioError("swarm: dht_members >= 0, start_batch >= 1 and settle_gossip_s >= 0")
         if self.duration_s <= 0 or self.forward_ms < 0 or self.backward_ms < 0:
             raise ScenarioError("run.duration_s must be positive, swarm.*_ms >= 0")
+        if self.trainer_crashes_per_min < 0 or self.trainer_restart_s <= 0:
+            raise ScenarioError("swarm: trainer_crashes_per_min >= 0 and trainer_restart_s > 0")
 
 
 SWARM_KEYS = {f for f in SwarmScenario.__dataclass_fields__} - {"seed", "duration_s", "links", "faults"}
@@ -166,8 +173,7 @@ class _Swarm:
         self.hosts: list = []  # each worker's host
         self.dead: set[int] = set()  # indexes into workers
         self.members: list[DhtNode] = []  # the DHT members that host no stage
-        self.trainers: list[Trainer] = []
-        self.train_tasks: list[asyncio.Task] = []
+        self.trainer_set = SwarmTrainers(self)
         self.disturbances = Disturbances(self)
         with self.host("seed").active():
             self.seed = DhtNode(key=sim.key(), config=run.dht)
@@ -233,31 +239,13 @@ class _Swarm:
             self.sim.run(asyncio.gather(*(self._start(node, host) for node, host in group)))
             self.members.extend(node for node, _ in group)
 
-    def start_trainers(self, shards: Path) -> None:
-        """The trainers, ``start_batch`` at a time, each training once it is up."""
-        for first in range(0, self.scenario.trainers, self.scenario.start_batch):
-            group = []
-            for index in range(first, min(first + self.scenario.start_batch, self.scenario.trainers)):
-                host = self.host(f"trainer-{index}")
-                with host.active():
-                    trainer = Trainer(
-                        run=self.run,
-                        shards_dir=shards,
-                        key=self.sim.key(),
-                        bootstrap=[self.seed.address],
-                        settings=TrainerSettings(
-                            lanes=self.scenario.lanes,
-                            state_file=str(self.folder / f"trainer-{index}.json"),
-                            loss_log=str(self.folder / f"losses-{index}.jsonl"),
-                        ),
-                    )
-                group.append((trainer, host))
-            starts = [self._start(trainer, host) for trainer, host in group]
-            self.sim.run(starts[0] if len(starts) == 1 else asyncio.gather(*starts))
-            for trainer, host in group:
-                with host.active():
-                    self.train_tasks.append(self.sim.loop.create_task(trainer.train()))
-                self.trainers.append(trainer)
+    @property
+    def trainers(self) -> list[Trainer]:
+        return self.trainer_set.nodes
+
+    @property
+    def train_tasks(self) -> list[asyncio.Task]:
+        return self.trainer_set.tasks
 
     def dht_nodes(self) -> list[DhtNode]:
         workers = [self.workers[i].dht for i in self.live()]
@@ -312,7 +300,7 @@ def run_swarm_scenario(
             phase(f"{len(swarm.workers)} workers up")
             swarm.start_members()
             phase(f"{len(swarm.members)} stageless DHT members up")
-            swarm.start_trainers(shards)
+            swarm.trainer_set.start(shards)
             phase(f"{len(swarm.trainers)} trainers up")
             settled_s = swarm.settle(scenario.settle_gossip_s)
             if scenario.settle_gossip_s:
@@ -362,7 +350,7 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         utilization.append(sum(busy) / len(busy))
     rounds = [r for w in workers for r in w.averager.reports]
     grouped = [r for r in rounds if r.group_size >= 2 and r.averaging_success > 0]
-    completed = sum(t.counters.completed for t in trainers)
+    completed = swarm.trainer_set.completed()  # the crashed incarnations' samples too
     return {
         "seed": scenario.seed,
         "workers": len(workers),
@@ -371,6 +359,8 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         "seed_sees_live": swarm.seed.table.live_count(),  # the membership as the seed holds it
         "worker_joins": swarm.disturbances.counts["joins"],
         "worker_departures": swarm.disturbances.counts["departures"],
+        "trainer_crashes": swarm.trainer_set.crashes,
+        "trainer_restarts": swarm.trainer_set.restarts,
         **{kind: swarm.disturbances.counts[kind] for kind in ("partitions", "silences", "slowdowns")},
         "joiners_ready": sum(
             1 for i, w in enumerate(workers) if i >= len(busy_before) and w.ready and i not in swarm.dead
@@ -388,9 +378,10 @@ def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], e
         "averaging_allreduce_s": statistics.median(r.allreduce_s for r in grouped) if grouped else None,
         "completed": completed,
         # every sample taken from the shards is completed, on its way, or waiting to run again
-        "lost": sum(
+        "lost": sum(  # a trainer down at the end: its restart takes its samples up again
             t.counters.dispatched - t.counters.completed - t.counters.in_flight - t.counters.requeued
-            for t in trainers
+            for i, t in enumerate(trainers)
+            if i not in swarm.trainer_set.down
         ),
         "retries": sum(t.counters.retries for t in trainers),
         "in_flight_at_end": sum(t.counters.in_flight for t in trainers),

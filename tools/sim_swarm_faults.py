@@ -18,7 +18,8 @@ averaging chunk, mid download of a joiner's state. After the run (``check_settle
 network heals, the trainers stop (their lanes finish what they hold), and then:
 
 * no sample is lost (every sample a trainer took is completed or waiting to run again) and
-  none completed twice by a trainer;
+  none completed twice by a trainer; a crashed trainer's restart skips none of the samples it
+  held (``sim_swarm_trainers``);
 * the live replicas of each stage, idle now, run one more averaging round; it is clean (no
   fault is left), and after it they hold the same values in the segment it averaged;
 * nothing grows without bound: no worker has work queued or a reduction open, no DHT member
@@ -77,6 +78,7 @@ class Disturbances:
             "partition": faults.partitions_per_min / 60,
             "silence": faults.silences_per_min / 60,
             "slowdown": faults.slowdowns_per_min / 60,
+            "trainer_crash": scenario.trainer_crashes_per_min / 60,
         }
         events = []
         for kind, rate in rates.items():
@@ -117,6 +119,13 @@ class Disturbances:
             task = swarm.sim.loop.create_task(worker.start())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed join: counted
 
+    def _trainer_crash(self) -> None:
+        """A trainer's process dies; it restarts on its state file (``sim_swarm_trainers``)."""
+        trainers = self.swarm.trainer_set
+        up = [i for i in range(len(trainers.nodes)) if i not in trainers.down]
+        if up:
+            trainers.crash(self.rng.choice(up))
+
     def _partition(self) -> None:
         network = self.swarm.sim.network
         hosts = self._live_hosts()
@@ -152,6 +161,8 @@ def check_settled(swarm: _Swarm) -> tuple[list[str], dict]:
     sim.network.heal()
     quiet_s = max(scenario.faults.silence_s, scenario.faults.slowdown_s)
     sim.run_for(quiet_s)  # the last silence and slowdown over
+    if swarm.trainer_set.down:  # and every crashed trainer restarted
+        sim.run_for(scenario.trainer_restart_s)
     for trainer in swarm.trainers:
         trainer.request_stop()
     violations: list[str] = []
@@ -175,6 +186,8 @@ def check_settled(swarm: _Swarm) -> tuple[list[str], dict]:
         twice = sum(count - 1 for count in logs[index].values() if count > 1)
         if twice:
             violations.append(f"trainer {index} completed {twice} sample(s) twice")
+    violations += swarm.trainer_set.check_left_behind(logs)
+    seen["crashed_trainers_held"] = len(swarm.trainer_set.left_behind)
     seen["across_trainers_twice"] = completed_across(logs)
     violations += _check_agreement(swarm, seen)
     violations += _check_bounds(swarm)
@@ -262,7 +275,7 @@ def _final_round(swarm: _Swarm, stage: int, members: list[int], index: int) -> s
 
 def _check_bounds(swarm: _Swarm) -> list[str]:
     violations = []
-    ever = len(swarm.workers) + len(swarm.trainers) + 1
+    ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1  # a restart keeps its id
     for i in swarm.live():
         worker = swarm.workers[i]
         if worker.runtime.queued_samples:

@@ -1,9 +1,9 @@
 """Fault search over whole swarms: a random scenario per seed, its invariants checked after.
 
 A seed decides the swarm (stages, replicas, trainers, lanes, compute speeds, batch size,
-averaging cadence and payload), its links, worker churn, partitions, silent hosts, clock skew
-within the run's limit and slowed workers; then, as the scenario's own seed, every choice
-the simulation makes. What is checked is ``sim_swarm_faults.check_settled``'s list. A failing
+averaging cadence and payload), its links, worker churn, trainer crashes and restarts,
+partitions, silent hosts, clock skew within the run's limit and slowed workers; then, as the
+scenario's own seed, every choice the simulation makes. What is checked is ``sim_swarm_faults.check_settled``'s list. A failing
 seed replays exactly: ``python tools/simulate.py search --swarm --replay SEED``.
 """
 
@@ -53,6 +53,10 @@ def random_swarm_scenario(seed: int) -> SwarmScenario:
             slowdown_factor=rng.uniform(2.0, 8.0),
             slowdown_s=rng.uniform(5.0, 20.0),
         ),
+        # drawn last, so the seeds searched before trainers crashed keep their other draws;
+        # a restart past shard_adopt_after_s (30 s) finds its shard adopted by another trainer
+        trainer_crashes_per_min=rng.choice([0.0, 0.0, 1.0, 3.0]),
+        trainer_restart_s=rng.uniform(1.0, 45.0),
     )
 
 
@@ -77,6 +81,7 @@ class SwarmSearchOutcome:
         text = (
             f"seed {self.seed}: {scenario.stages} stages x {scenario.workers_per_stage}, "
             f"{scenario.trainers} trainer(s), {scenario.duration_s:.0f} s; {summary['worker_departures']} deaths, "
+            f"{summary['trainer_crashes']} trainer crashes, "
             f"{summary['worker_joins']} joins, {summary['partitions']} partitions, {summary['silences']} silences, "
             f"{summary['slowdowns']} slowdowns; {summary['completed']} samples, "
             f"{summary['averaging_rounds']} rounds, {summary['agreed_stages']}/{summary['final_rounds']} stage(s) agreeing after a last round"

@@ -193,9 +193,14 @@ def test_cursor_resume_neither_repeats_nor_skips(tmp_path):
     taken = [cursor.take() for _ in range(10)]
     for sample in taken[::2]:  # lanes finish out of order; the odd ones are in flight at the crash
         cursor.complete(sample.id)
+    cursor.give_back(taken[1])  # one failed: handed back to run again, still outstanding
+    assert sorted(cursor.outstanding()) == sorted(s.id for s in taken[1::2])
     cursor.save()
     restarted = SampleCursor(shards, 64, state)
     assert restarted.done == 5
+    assert restarted.outstanding() == []  # nothing in flight in the new process yet
+    assert all(restarted.holds(s.id) for s in taken[1::2])  # what was in flight is to run here
+    assert not any(restarted.holds(s.id) for s in taken[::2])  # what was completed is not
     again = []
     while (sample := restarted.take()) is not None:
         again.append(sample.id)

@@ -217,10 +217,12 @@ class SampleCursor:
         position = bisect.bisect_right(self._starts, rest) - 1  # plain ints: no numpy call per sample
         return epoch, self._shards[position].entry.id, rest - self._starts[position]
 
+    def _sample_id(self, progress: ShardProgress, index: int) -> int:
+        return progress.epoch * self.total + self._starts[self._index[progress.shard_id]] + index
+
     def _sample(self, progress: ShardProgress, index: int) -> Sample:
-        position = self._index[progress.shard_id]
-        sample_id = progress.epoch * self.total + self._starts[position] + index
-        return Sample(sample_id, self._shards[position].sample(index, self._seq_len))
+        shard = self._shards[self._index[progress.shard_id]]
+        return Sample(self._sample_id(progress, index), shard.sample(index, self._seq_len))
 
     def _order(self) -> list[int]:
         """The shard ids in the order this epoch opens them."""
@@ -291,6 +293,22 @@ class SampleCursor:
             self.epoch += 1
             self._finished = {self.epoch - 1: self._finished[self.epoch - 1], self.epoch: set()}
             self.save()
+
+    def outstanding(self) -> list[int]:
+        """Ids taken and not completed: in flight, or handed back to run again. A crash now
+        leaves them to the restart (its state file has them not done)."""
+        ids = [s.id for s in self._retry]  # handed back: taken and not done in its shard too
+        for progress in self._open.values():
+            for position in progress.taken_not_done():
+                ids.append(self._sample_id(progress, int(progress.order[position])))
+        return list(dict.fromkeys(ids))
+
+    def holds(self, sample_id: int) -> bool:
+        """Whether ``sample_id`` is still to run here: its shard is open here and the sample
+        not completed."""
+        epoch, shard_id, index = self.locate(sample_id)
+        progress = self._open.get((epoch, shard_id))
+        return progress is not None and not progress.is_done(index)
 
     def give_back(self, sample: Sample) -> None:
         """A sample that could not be completed now: it is taken again before new ones."""

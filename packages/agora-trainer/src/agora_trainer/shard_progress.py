@@ -72,6 +72,14 @@ class ShardProgress:
         self._next += 1
         return index
 
+    def is_done(self, index: int) -> bool:
+        position = int(self._position[index])
+        return position < self.watermark or position in self.done_above
+
+    def taken_not_done(self) -> list[int]:
+        """Positions handed out and not done (in flight)."""
+        return [p for p in range(self.watermark, self._next) if p not in self.done_above]
+
     def complete(self, index: int) -> None:
         position = int(self._position[index])
         if position < self.watermark:

@@ -112,6 +112,21 @@ def test_a_crashed_trainer_restarts_on_its_state_file_repeating_and_skipping_not
         parse_swarm({"swarm": {"trainer_restart_s": 0.0}})
 
 
+def test_an_authorized_swarm_is_admitted_by_its_authorizer_refreshes_and_replays():
+    authorized = SwarmScenario(
+        **{**SMALL.__dict__, "seed": 4, "duration_s": 70.0, "worker_joins_per_min": 2.0, "authorized": True}
+    )
+    first = run_swarm_scenario(authorized, check=True).summary
+    assert first["violations"] == [], first["violations"]
+    assert first["worker_joins"] >= 1 and first["joiners_ready"] >= 1  # a joiner admitted mid-run
+    # every worker and the trainer admitted through the dial-back and the queue, then refreshed
+    # (credentials live 90 s and are refreshed at 60)
+    assert first["credentialed"] == first["workers"] + first["trainers"]
+    assert first["credential_refreshes"] >= first["credentialed"] - 1 and first["credentials_lost"] == 0
+    assert first["completed"] > 40 and first["lost"] == 0
+    assert run_swarm_scenario(authorized, check=True).summary["digest"] == first["digest"]
+
+
 def test_the_costliest_stage_is_the_bottleneck_and_a_cost_per_stage_is_checked():
     uneven = SwarmScenario(
         **{**SMALL.__dict__, "duration_s": 20.0, "stage_cost": (1.0, 3.0), "speed": (1.0, 1.0)}

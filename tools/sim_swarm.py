@@ -24,6 +24,7 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     start_batch = 1           # workers (members, trainers) started together; 1: one after another
     settle_gossip_s = 0.0     # up to this long after start-up for the joins' news to stop
                               # circulating before the measured stretch (training goes on)
+    authorized = false        # the run's authorizer admits every node (sim_swarm_auth)
 
 and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
 
@@ -38,7 +39,6 @@ and their success, samples completed, retried and lost, and the trace digest.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -57,7 +57,9 @@ from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
+from sim_swarm_auth import SwarmAuthority
 from sim_swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
+from sim_swarm_summary import swarm_summary
 from sim_swarm_trainers import SwarmTrainers
 
 SEQ_LEN = 128
@@ -87,6 +89,7 @@ class SwarmScenario:
     dht_members: int = 0
     start_batch: int = 1
     settle_gossip_s: float = 0.0
+    authorized: bool = False
     links: LinkRange = field(default_factory=LinkRange)
     faults: SwarmFaults = field(default_factory=SwarmFaults)
 
@@ -175,9 +178,20 @@ class _Swarm:
         self.members: list[DhtNode] = []  # the DHT members that host no stage
         self.trainer_set = SwarmTrainers(self)
         self.disturbances = Disturbances(self)
+        self.authority = SwarmAuthority(self) if scenario.authorized else None
         with self.host("seed").active():
-            self.seed = DhtNode(key=sim.key(), config=run.dht)
-            sim.run(self.seed.start())
+            if self.authority is None:
+                self.seed = DhtNode(key=sim.key(), config=run.dht)
+                sim.run(self.seed.start())
+            else:
+                seed = self.authority.credentialed(sim.key(), bootstrap=False)
+                self.seed = seed.dht
+                sim.run(seed.start())
+        if self.authority is not None:
+            self.authority.start_authorizer()
+
+    def bootstrap(self) -> list[str]:
+        return [self.seed.address] if self.authority is None else self.authority.bootstrap()
 
     def host(self, name: str):
         host = self.sim.network.add_host(name, self.scenario.links.draw(self.rng))
@@ -189,14 +203,18 @@ class _Swarm:
     def new_worker(self, stage: int) -> tuple[Worker, object]:
         speed = self.rng.uniform(*self.scenario.speed)
         host = self.host(f"worker-{stage}.{len(self.workers)}")
+        settings = WorkerSettings(surrogate_delay_scale=self.stage_cost(stage) / speed)
         with host.active():
-            worker = Worker(
-                run=self.run,
-                stage=stage,
-                key=self.sim.key(),
-                bootstrap=[self.seed.address],
-                settings=WorkerSettings(surrogate_delay_scale=self.stage_cost(stage) / speed),
-            )
+            if self.authority is None:
+                worker = Worker(
+                    run=self.run,
+                    stage=stage,
+                    key=self.sim.key(),
+                    bootstrap=self.bootstrap(),
+                    settings=settings,
+                )
+            else:
+                worker = self.authority.worker(stage, self.sim.key(), settings)
         self.workers.append(worker)
         self.hosts.append(host)
         return worker, host
@@ -219,10 +237,17 @@ class _Swarm:
             ]
             self.sim.run(group[0] if len(group) == 1 else asyncio.gather(*group))
 
-    @staticmethod
-    async def _start(node, host) -> None:
+    async def _start(self, node, host) -> None:
         with host.active():
-            await node.start()
+            await self.start_of(node)
+
+    def start_of(self, node):
+        """``node``'s start: an authorized run's workers and trainers are admitted first."""
+        if self.authority is not None and isinstance(node, Worker):
+            return self.authority.start_worker(node)
+        if self.authority is not None and isinstance(node, Trainer):
+            return self.authority.start_trainer(node)
+        return node.start()
 
     def start_members(self) -> None:
         for first in range(0, self.scenario.dht_members, self.scenario.start_batch):
@@ -230,14 +255,13 @@ class _Swarm:
             for index in range(first, min(first + self.scenario.start_batch, self.scenario.dht_members)):
                 host = self.host(f"member-{index}")
                 with host.active():
-                    group.append(
-                        (
-                            DhtNode(key=self.sim.key(), config=self.run.dht, bootstrap=[self.seed.address]),
-                            host,
-                        )
-                    )
+                    if self.authority is None:
+                        node = DhtNode(key=self.sim.key(), config=self.run.dht, bootstrap=self.bootstrap())
+                    else:
+                        node = self.authority.credentialed(self.sim.key())  # a RunNode: its .dht
+                group.append((node, host))
             self.sim.run(asyncio.gather(*(self._start(node, host) for node, host in group)))
-            self.members.extend(node for node, _ in group)
+            self.members.extend(getattr(node, "dht", node) for node, _ in group)
 
     @property
     def trainers(self) -> list[Trainer]:
@@ -314,7 +338,7 @@ def run_swarm_scenario(
             disturbing.cancel()
             steady_real_s = time.perf_counter() - steady_started
             elapsed_s = sim.elapsed_s - started_s
-            summary = _summary(scenario, swarm, busy_before, elapsed_s)
+            summary = swarm_summary(scenario, swarm, busy_before, elapsed_s, seq_len=SEQ_LEN)
             summary["steady_virtual_s_per_real_s"] = elapsed_s / steady_real_s  # start-up left out
             summary["startup_virtual_s"], summary["startup_real_s"] = started_s, startup_real_s
             summary["gossip_settled_s"] = settled_s
@@ -334,56 +358,3 @@ def run_swarm_scenario(
     summary["real_s"] = time.perf_counter() - real_started
     summary["virtual_s_per_real_s"] = summary["virtual_s"] / summary["real_s"]
     return SwarmResult(scenario, summary)
-
-
-def _summary(scenario: SwarmScenario, swarm: _Swarm, busy_before: list[float], elapsed_s: float) -> dict:
-    workers, trainers = swarm.workers, swarm.trainers
-    utilization = []
-    for stage in range(scenario.stages):
-        # the replicas there from start to end (a joiner's or a dead worker's share is partial)
-        whole = [i for i in swarm.live(stage) if i < len(busy_before)] or swarm.live(stage)
-        busy = [
-            (workers[i].runtime.compute_seconds - (busy_before[i] if i < len(busy_before) else 0.0))
-            / elapsed_s
-            for i in whole
-        ]
-        utilization.append(sum(busy) / len(busy))
-    rounds = [r for w in workers for r in w.averager.reports]
-    grouped = [r for r in rounds if r.group_size >= 2 and r.averaging_success > 0]
-    completed = swarm.trainer_set.completed()  # the crashed incarnations' samples too
-    return {
-        "seed": scenario.seed,
-        "workers": len(workers),
-        "trainers": len(trainers),
-        "dht_members": len(swarm.members) + len(workers) + len(trainers) + 1,  # with the seed
-        "seed_sees_live": swarm.seed.table.live_count(),  # the membership as the seed holds it
-        "worker_joins": swarm.disturbances.counts["joins"],
-        "worker_departures": swarm.disturbances.counts["departures"],
-        "trainer_crashes": swarm.trainer_set.crashes,
-        "trainer_restarts": swarm.trainer_set.restarts,
-        **{kind: swarm.disturbances.counts[kind] for kind in ("partitions", "silences", "slowdowns")},
-        "joiners_ready": sum(
-            1 for i, w in enumerate(workers) if i >= len(busy_before) and w.ready and i not in swarm.dead
-        ),
-        "samples_per_s": completed / elapsed_s,
-        "tokens_per_s": completed * SEQ_LEN / elapsed_s,
-        "stage_utilization": utilization,
-        "bottleneck_stage": max(range(scenario.stages), key=lambda s: utilization[s]),
-        "optimizer_steps": [w.optimizer.step for i, w in enumerate(workers) if i not in swarm.dead],
-        "averaging_rounds": len(rounds),
-        "averaging_success": sum(r.averaging_success for r in rounds) / len(rounds) if rounds else None,
-        "averaging_round_s": sum(r.seconds for r in rounds) / len(rounds) if rounds else None,
-        # rounds that averaged with someone (a lone replica's end when its window does)
-        "averaging_group_round_s": statistics.median(r.seconds for r in grouped) if grouped else None,
-        "averaging_allreduce_s": statistics.median(r.allreduce_s for r in grouped) if grouped else None,
-        "completed": completed,
-        # every sample taken from the shards is completed, on its way, or waiting to run again
-        "lost": sum(  # a trainer down at the end: its restart takes its samples up again
-            t.counters.dispatched - t.counters.completed - t.counters.in_flight - t.counters.requeued
-            for i, t in enumerate(trainers)
-            if i not in swarm.trainer_set.down
-        ),
-        "retries": sum(t.counters.retries for t in trainers),
-        "in_flight_at_end": sum(t.counters.in_flight for t in trainers),
-        "requeued": sum(t.counters.requeued for t in trainers),
-    }

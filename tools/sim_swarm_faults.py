@@ -46,6 +46,7 @@ DRAIN_LIMIT_S = 600.0  # virtual seconds the trainers get to finish the samples 
 ROUND_LIMIT_S = 600.0  # and the replicas to finish the last averaging round
 FINAL_ROUND = 1_000_000  # the checking rounds' first index: past any the run reached
 FINAL_ATTEMPTS = 3  # rounds tried until one has no optimizer step during it
+RESTART_TRIES = 5  # restart periods waited for the crashed trainers to be back
 AGREE_TOLERANCE = 1e-5  # theta + (mean - theta) in float32: equal to rounding, scaled by |theta|
 
 
@@ -114,10 +115,20 @@ class Disturbances:
         """A new worker joins, downloading its stage's state from the replicas there."""
         swarm = self.swarm
         worker, host = swarm.new_worker(self.rng.randrange(swarm.scenario.stages))
+        index = len(swarm.workers) - 1
         self.counts["joins"] += 1
         with host.active():
-            task = swarm.sim.loop.create_task(worker.start())
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed join: counted
+            task = swarm.sim.loop.create_task(swarm.start_of(worker))
+        task.add_done_callback(lambda t: self._joined(t, index))
+
+    def _joined(self, task, index: int) -> None:
+        """A join that failed (an authorized run's authorizer refused it: it could not dial the
+        joiner back through a fault) ends the process, as ``agora-worker run`` exits."""
+        if task.cancelled() or task.exception() is None or index in self.swarm.dead:
+            return
+        self.counts["joins_failed"] += 1
+        self.swarm.dead.add(index)
+        self.swarm.sim.network.kill(self.swarm.hosts[index])
 
     def _trainer_crash(self) -> None:
         """A trainer's process dies; it restarts on its state file (``sim_swarm_trainers``)."""
@@ -161,7 +172,9 @@ def check_settled(swarm: _Swarm) -> tuple[list[str], dict]:
     sim.network.heal()
     quiet_s = max(scenario.faults.silence_s, scenario.faults.slowdown_s)
     sim.run_for(quiet_s)  # the last silence and slowdown over
-    if swarm.trainer_set.down:  # and every crashed trainer restarted
+    for _ in range(RESTART_TRIES):  # and every crashed trainer restarted (a refused one again)
+        if not swarm.trainer_set.down:
+            break
         sim.run_for(scenario.trainer_restart_s)
     for trainer in swarm.trainers:
         trainer.request_stop()
@@ -275,7 +288,8 @@ def _final_round(swarm: _Swarm, stage: int, members: list[int], index: int) -> s
 
 def _check_bounds(swarm: _Swarm) -> list[str]:
     violations = []
-    ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1  # a restart keeps its id
+    # a restart keeps its id; the seed, and the authorizer of an authorized run
+    ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1 + (swarm.authority is not None)
     for i in swarm.live():
         worker = swarm.workers[i]
         if worker.runtime.queued_samples:
@@ -284,6 +298,8 @@ def _check_bounds(swarm: _Swarm) -> list[str]:
             )
         if worker.averager.board.running():
             violations.append(f"worker {i}: {len(worker.averager.board.running())} reductions still open")
+        if worker.dht.table is None:  # an authorized joiner still in the queue: holds nothing
+            continue
         known = len(worker.dht.table.known())
         if known > ever:
             violations.append(f"worker {i} knows {known} DHT members of {ever} that ever existed")

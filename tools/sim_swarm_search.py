@@ -2,16 +2,19 @@
 
 A seed decides the swarm (stages, replicas, trainers, lanes, compute speeds, batch size,
 averaging cadence and payload), its links, worker churn, trainer crashes and restarts,
-partitions, silent hosts, clock skew within the run's limit and slowed workers; then, as the
-scenario's own seed, every choice the simulation makes. What is checked is ``sim_swarm_faults.check_settled``'s list. A failing
+partitions, silent hosts, clock skew within the run's limit and slowed workers, and for 3 in
+10 an authorized run (``sim_swarm_auth``); then, as the scenario's own seed, every choice the
+simulation makes. What is checked is ``sim_swarm_faults.check_settled``'s list. A failing
 seed replays exactly: ``python tools/simulate.py search --swarm --replay SEED``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
+from agora_core.config.admission import AdmissionConfig
 from agora_core.config.run import DhtConfig
 from agora_core.sim.search import random_links
 from sim_swarm import SwarmResult, SwarmScenario, run_swarm_scenario
@@ -25,7 +28,7 @@ def random_swarm_scenario(seed: int) -> SwarmScenario:
     slow = rng.uniform(0.3, 1.0)
     forward_ms = rng.uniform(1.0, 20.0)
     matchmaking_s = rng.uniform(2.0, 10.0)
-    return SwarmScenario(
+    scenario = SwarmScenario(
         seed=seed,
         duration_s=rng.uniform(20.0, 60.0),
         stages=rng.randint(2, 4),
@@ -58,6 +61,11 @@ def random_swarm_scenario(seed: int) -> SwarmScenario:
         trainer_crashes_per_min=rng.choice([0.0, 0.0, 1.0, 3.0]),
         trainer_restart_s=rng.uniform(1.0, 45.0),
     )
+    if rng.random() < 0.3:  # an authorized run (sim_swarm_auth): its clocks within its own limit
+        skew = min(scenario.faults.max_clock_skew_s, AdmissionConfig().max_clock_skew_s / 2)
+        faults = dataclasses.replace(scenario.faults, max_clock_skew_s=skew)
+        scenario = dataclasses.replace(scenario, authorized=True, faults=faults)
+    return scenario
 
 
 @dataclass
@@ -80,7 +88,8 @@ class SwarmSearchOutcome:
         scenario, summary = self.result.scenario, self.result.summary
         text = (
             f"seed {self.seed}: {scenario.stages} stages x {scenario.workers_per_stage}, "
-            f"{scenario.trainers} trainer(s), {scenario.duration_s:.0f} s; {summary['worker_departures']} deaths, "
+            f"{scenario.trainers} trainer(s){', authorized' if scenario.authorized else ''}, "
+            f"{scenario.duration_s:.0f} s; {summary['worker_departures']} deaths, "
             f"{summary['trainer_crashes']} trainer crashes, "
             f"{summary['worker_joins']} joins, {summary['partitions']} partitions, {summary['silences']} silences, "
             f"{summary['slowdowns']} slowdowns; {summary['completed']} samples, "

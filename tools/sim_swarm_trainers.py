@@ -16,6 +16,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agora_core.admission.join_client import AdmissionRefused
 from agora_trainer.routing import Counters
 from agora_trainer.trainer import Trainer, TrainerSettings
 
@@ -37,23 +38,28 @@ class SwarmTrainers:
         self.left_behind: set[int] = set()  # sample ids a crashed incarnation held
         self.crashes = 0
         self.restarts = 0
+        self.refused = 0  # restarts an authorized run's authorizer refused
 
     def _new(self, index: int, *, restart: bool = False) -> tuple[Trainer, object]:
         swarm = self.swarm
         host = swarm.host(f"trainer-{index}" + (f"r{self.restarts}" if restart else ""))
-        folder = swarm.folder
+        settings = TrainerSettings(
+            lanes=swarm.scenario.lanes,
+            state_file=str(swarm.folder / f"trainer-{index}.json"),
+            loss_log=str(swarm.folder / f"losses-{index}.jsonl"),
+        )
         with host.active():
-            trainer = Trainer(
-                run=swarm.run,
-                shards_dir=self.shards,
-                key=self.nodes[index].key if restart else swarm.sim.key(),
-                bootstrap=[swarm.seed.address],
-                settings=TrainerSettings(
-                    lanes=swarm.scenario.lanes,
-                    state_file=str(folder / f"trainer-{index}.json"),
-                    loss_log=str(folder / f"losses-{index}.jsonl"),
-                ),
-            )
+            key = self.nodes[index].key if restart else swarm.sim.key()
+            if swarm.authority is not None:  # admitted by the run's authorizer, again on a restart
+                trainer = swarm.authority.trainer(key, self.shards, settings)
+            else:
+                trainer = Trainer(
+                    run=swarm.run,
+                    shards_dir=self.shards,
+                    key=key,
+                    bootstrap=swarm.bootstrap(),
+                    settings=settings,
+                )
         return trainer, host
 
     def start(self, shards: Path) -> None:
@@ -72,11 +78,14 @@ class SwarmTrainers:
 
     def crash(self, index: int) -> None:
         """Trainer ``index``'s process dies now; it restarts ``trainer_restart_s`` later."""
+        self.crashes += 1
+        self._exit(index)
+
+    def _exit(self, index: int) -> None:
         trainer = self.nodes[index]
         self.left_behind.update(trainer.cursor.outstanding())
         self.retired.append(trainer.counters)
         self.down.add(index)
-        self.crashes += 1
         self.swarm.sim.network.kill(self.hosts[index])
         self.swarm.sim.loop.call_later(self.swarm.scenario.trainer_restart_s, self._restart, index)
 
@@ -88,9 +97,13 @@ class SwarmTrainers:
         with host.active():
             self.tasks[index] = self.swarm.sim.loop.create_task(self._run(trainer))
 
-    @staticmethod
-    async def _run(trainer: Trainer) -> Counters:
-        await trainer.start()
+    async def _run(self, trainer: Trainer) -> Counters | None:
+        try:
+            await self.swarm.start_of(trainer)
+        except AdmissionRefused:  # the authorizer could not dial it back through a fault:
+            self.refused += 1  # the process exits, and its supervisor starts it again
+            self.swarm.sim.loop.call_soon(self._exit, self.nodes.index(trainer))
+            return None
         return await trainer.train()
 
     def completed(self) -> int:

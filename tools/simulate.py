@@ -149,7 +149,8 @@ def run_swarm(data: dict, scenario_file: Path, seed: int | None, as_json: bool) 
 # what a search adds up over its seeds (each kind's own; the other's are absent)
 TOTALLED = ("members", "virtual_s", "joins", "departures", "partitions", "silences", "ops", "missed_reads",
             "worker_joins", "worker_departures", "slowdowns", "completed", "averaging_rounds", "final_rounds", "agreed_stages",
-            "across_trainers_twice", "trainer_crashes", "crashed_trainers_held")  # fmt: skip
+            "across_trainers_twice", "trainer_crashes", "crashed_trainers_held", "authorized",
+            "credential_refreshes", "worker_joins_failed", "trainer_restarts_refused")  # fmt: skip
 
 
 @main.command()

@@ -7,12 +7,15 @@ this bucket. A rate of 0 switches pacing off.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+
+from agora_core import world
 
 
 class TokenBucket:
-    def __init__(self, rate_per_minute: float, burst: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, rate_per_minute: float, burst: int, clock: Callable[[], float] = lambda: world.monotonic()
+    ):
         self.rate_per_s = rate_per_minute / 60.0
         self.burst = burst
         self.clock = clock

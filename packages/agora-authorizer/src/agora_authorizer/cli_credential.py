@@ -7,11 +7,10 @@ the authorizer's database like every other (its serial, and ``ban`` revokes it).
 
 from __future__ import annotations
 
-import time
-
 import click
 
 from agora_authorizer.store import Banned, Store
+from agora_core import world
 from agora_core.admission.credential import ROLES, Credential, issue_credential
 from agora_core.admission.credential_file import save_credential
 from agora_core.errors import AgoraError
@@ -26,7 +25,7 @@ def issue_operator_credential(
     store: Store, *, run, authorizer: NodeKey, node: NodeKey, role: str, stage: int | None, lifetime_s: float
 ):
     """Issue and record ``node``'s credential of ``role``; returns the signed credential."""
-    issued = time.time()
+    issued = world.wall()
     signed = {}
 
     def sign(serial: int) -> tuple[bytes, bytes]:

@@ -9,14 +9,11 @@ connection is open, is the latency),
 
 from __future__ import annotations
 
-import asyncio
-import os
-import random
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from agora_core import world
 from agora_core.admission import JoinRequest, Refusal, RefusalReason
 from agora_core.admission.answerer import PROVE_NONCE_BYTES, prove_message
 from agora_core.admission.challenge import check_rows
@@ -58,12 +55,12 @@ async def _dial_back(
     result = DialBackResult()
     measured = result.measured
     address = request.address
-    nonce = os.urandom(PROVE_NONCE_BYTES)
+    nonce = world.token_bytes(PROVE_NONCE_BYTES)
     try:
         await client.connect(address)  # the connect is not part of the round trip timed next
-        started = time.perf_counter()
+        started = world.monotonic()
         reply = await client.call(address, Method.ADMISSION_PROVE, {"nonce": nonce}, timeout_s=DIAL_TIMEOUT_S)
-        rtt = time.perf_counter() - started
+        rtt = world.monotonic() - started
     except PeerRefused as exc:  # authorized run: the handshake showed another key is there
         result.refusal = Refusal(
             RefusalReason.KEY_MISMATCH, f"the node at {address} does not hold the request's key ({exc})"
@@ -96,11 +93,11 @@ async def _dial_back(
         return result
     try:
         if config.bandwidth_probe_bytes:
-            started = time.perf_counter()
+            started = world.monotonic()
             reply = await client.call(
                 address, Method.ADMISSION_PROBE, {"bytes": config.bandwidth_probe_bytes}, timeout_s=60.0
             )
-            elapsed = max(1e-6, time.perf_counter() - started - rtt)  # the transfer, less a round trip
+            elapsed = max(1e-6, world.monotonic() - started - rtt)  # the transfer, less a round trip
             probe = reply.tensors.get("probe")
             if not isinstance(probe, np.ndarray) or probe.nbytes != config.bandwidth_probe_bytes:
                 result.refusal = Refusal(RefusalReason.BANDWIDTH, "the bandwidth probe came back short")
@@ -113,13 +110,13 @@ async def _dial_back(
                     f"{config.min_bandwidth_mbps:g} Mbit/s",
                 )
                 return result
-        seed = random.SystemRandom().getrandbits(63)
-        started = time.perf_counter()
+        seed = int.from_bytes(world.token_bytes(8), "big") >> 1  # 63 bits, unpredictable
+        started = world.monotonic()
         timeout = max(DIAL_TIMEOUT_S, 3 * config.max_challenge_s)
         reply = await client.call(
             address, Method.ADMISSION_CHALLENGE, {"seed": seed, "n": challenge_width}, timeout_s=timeout
         )
-        measured["challenge_s"] = time.perf_counter() - started
+        measured["challenge_s"] = world.monotonic() - started
     except AgoraError as exc:
         result.refusal = Refusal(RefusalReason.UNREACHABLE, f"{address} stopped answering the checks: {exc}")
         return result
@@ -127,8 +124,8 @@ async def _dial_back(
     rows_answer = rows.tobytes() if isinstance(rows, np.ndarray) and rows.dtype == np.uint8 else None
     if isinstance(reply.meta, dict) and isinstance(reply.meta.get("seconds"), (int, float)):
         measured["challenge_reported_s"] = float(reply.meta["seconds"])
-    picks = random.sample(range(challenge_width), min(config.challenge_rows_checked, challenge_width))
-    correct = isinstance(rows_answer, bytes) and await asyncio.to_thread(
+    picks = world.rng().sample(range(challenge_width), min(config.challenge_rows_checked, challenge_width))
+    correct = isinstance(rows_answer, bytes) and await world.offload(
         check_rows, seed, challenge_width, rows_answer, picks
     )
     if not correct:

@@ -9,11 +9,11 @@ node whose credential lapsed joins again through the checks).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agora_authorizer.store import Banned, IssuedCredential, Store
+from agora_core import world
 from agora_core.admission import (
     Credential,
     Refusal,
@@ -63,7 +63,7 @@ class CredentialIssuer:
         self, *, request_id: int | None, node_id, public_key, role, stage, account, checks=None
     ) -> IssuedCredential:
         """Runs on the database thread: one transaction."""
-        issued = time.time()
+        issued = world.wall()
         return self.store.issue_credential(
             request_id=request_id,
             node_id=node_id,
@@ -138,7 +138,7 @@ class CredentialIssuer:
         return held, None
 
     async def on_refresh(self, request: Request) -> Payload:
-        now = time.time()
+        now = world.wall()
         value = request.meta.get("request") if isinstance(request.meta, dict) else None
         held, refusal = await self._refusal_for(value, now)
         if refusal is not None:

@@ -11,12 +11,12 @@ lower stage. An operator's pin (``agora-authorizer pin``) overrides all of it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agora_authorizer.store import Store
+from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError
@@ -93,11 +93,11 @@ class Placer:
         self._loads: tuple[float, list[StageLoad]] | None = None
 
     async def loads(self) -> list[StageLoad]:
-        now = time.monotonic()
+        now = world.monotonic()
         if self._loads is not None and now - self._loads[0] < self.cache_s:
             return self._loads[1]
         loads = await read_loads(self.dht, self.run.name, list(self.run.model.stage_layers))
-        wall = time.time()
+        wall = world.wall()
         for credential in await self.db(self.store.live_credentials, now=wall):
             if credential.stage is not None and credential.issued > wall - self.promise_s:
                 loads[credential.stage].promised.add(credential.node_id)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 
 from agora_authorizer.bucket import TokenBucket
+from agora_core import world
 from agora_core.logs import get_logger
 
 log = get_logger("authorizer.queue")
@@ -41,7 +41,7 @@ class AdmissionQueue:
 
     def checking(self, request_id: int) -> None:
         """Request ``request_id`` arrived and is being checked: later ones wait for it."""
-        self._checking[request_id] = time.monotonic()
+        self._checking[request_id] = world.monotonic()
 
     def checked(self, request_id: int) -> None:
         """Its checks ended (queued, or refused)."""
@@ -59,7 +59,7 @@ class AdmissionQueue:
 
     def _head_ready(self) -> bool:
         """The head may go: no earlier request is still being checked (within hold_s)."""
-        now = time.monotonic()
+        now = world.monotonic()
         head = self._ids[0]
         return not any(rid < head and now - began < self.hold_s for rid, began in self._checking.items())
 

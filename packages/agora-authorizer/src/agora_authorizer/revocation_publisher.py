@@ -10,11 +10,11 @@ reaches every node within one refresh period and the list never lapses.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agora_authorizer.store import Store
+from agora_core import world
 from agora_core.admission.revocations import MAX_ENTRIES, Revocations, revocations_key
 from agora_core.config import RunConfig
 from agora_core.dht import DhtNode
@@ -42,7 +42,7 @@ class RevocationPublisher:
         self.on_published: Callable[[Revocations], None] | None = None  # the authorizer's own peers
 
     async def publish(self) -> Revocations:
-        now = time.time()
+        now = world.wall()
         nodes, accounts = await self.db(self.store.revoked_since, since=now - self.window_s, now=now)
         if len(nodes) + len(accounts) > MAX_ENTRIES:  # replicas refuse a longer list: keep accounts first
             log.warning("revocations_truncated", nodes=len(nodes), accounts=len(accounts), kept=MAX_ENTRIES)
@@ -65,7 +65,7 @@ class RevocationPublisher:
             try:
                 await self.publish()
                 # nonces older than a request may be are refused as stale anyway: forget them
-                await self.db(self.store.forget_nonces, before=time.time() - self.nonce_window_s)
+                await self.db(self.store.forget_nonces, before=world.wall() - self.nonce_window_s)
             except AgoraError as exc:  # no DHT peer right now: the next period tries again
                 log.warning("revocations_publish_failed", error=str(exc))
             await asyncio.sleep(self.period_s)

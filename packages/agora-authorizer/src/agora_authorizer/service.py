@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from agora_authorizer.revocation_publisher import RevocationPublisher
 from agora_authorizer.status import status_report
 from agora_authorizer.store import Banned, IssuedCredential, NotFound, Store
 from agora_authorizer.store.rows import Standing
+from agora_core import world
 from agora_core.admission import JoinRequest, Refusal, RefusalReason, open_join_request
 from agora_core.auth.access import ANYONE
 from agora_core.config import RunConfig
@@ -98,13 +98,13 @@ class Authorizer:
             self.server.register(method, handler, access=ANYONE)  # joiners hold no credential yet
 
     async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._db_thread, lambda: fn(*args, **kwargs))
+        return await world.offload_to(self._db_thread, fn, *args, **kwargs)
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> str:
         """Recover the queue, serve, join the DHT, release the queue, publish revocations."""
-        now = time.time()
+        now = world.wall()
         interrupted = await self.db(self.store.interrupt_checking, now=now)
         if interrupted:
             log.warning("requests_interrupted", count=interrupted)
@@ -144,13 +144,13 @@ class Authorizer:
             reason=refusal.reason.value,
             detail=refusal.detail,
             checks=checks,
-            now=time.time(),
+            now=world.wall(),
         )
         log.info("join_refused", request_id=request_id, reason=refusal.reason.value, detail=refusal.detail)
         return self._answer(refusal, request_id)
 
     async def _on_join(self, request: Request) -> Payload:
-        now = time.time()
+        now = world.wall()
         recorded: list[int] = []
         try:
             return await self._join(request, now, recorded)
@@ -271,7 +271,7 @@ class Authorizer:
                     status="queued",
                     stage=stage,
                     checks=checks,
-                    now=time.time(),
+                    now=world.wall(),
                 )
                 self.queue.add(request_id)
         except BaseException:
@@ -355,7 +355,7 @@ class Authorizer:
     async def _on_status(self, request: Request) -> Payload:
         """Counts only (anyone may ask): which node belongs to which account, the bans and
         the database are for operators, through ``agora-authorizer status`` on the database."""
-        report = await self.db(status_report, self.store, now=time.time())
+        report = await self.db(status_report, self.store, now=world.wall())
         return Payload(
             {
                 "queued": len(report["queue"]),

@@ -17,10 +17,12 @@ simulator's loop keeps virtual time.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,6 +59,21 @@ async def offload(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     if _simulated:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def offload_to(executor: Executor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)`` on ``executor`` (one thread keeps a database's calls in commit order);
+    under a simulation in line, as :func:`offload`."""
+    if _simulated:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(executor, lambda: fn(*args, **kwargs))
+
+
+def token_bytes(nbytes: int) -> bytes:
+    """Random bytes (a nonce, a probe's payload): from the OS; under a simulation from its seed."""
+    if _simulated:
+        return _rng_factory(None).randbytes(nbytes)
+    return os.urandom(nbytes)
 
 
 def token_hex(nbytes: int) -> str:

@@ -10,8 +10,6 @@ port from before it asks to join until it has its credential.
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -85,7 +83,7 @@ class DialBackAnswerer:
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= self.max_probe_bytes:
             raise BadRequest(f"admission.probe needs {{'bytes': n}} with 0 <= n <= {self.max_probe_bytes}")
         # random bytes, as a tensor (bulk data travels in frames): no compression shrinks them
-        return Payload({"bytes": size}, {"probe": np.frombuffer(os.urandom(size), dtype=np.uint8)})
+        return Payload({"bytes": size}, {"probe": np.frombuffer(world.token_bytes(size), dtype=np.uint8)})
 
     async def _on_challenge(self, request: Request) -> Payload:
         self._check_active()
@@ -94,8 +92,8 @@ class DialBackAnswerer:
         if not isinstance(seed, int) or not isinstance(n, int) or not 1 <= n <= self.max_width or seed < 0:
             raise BadRequest(f"admission.challenge needs {{'seed': int >= 0, 'n': 1..{self.max_width}}}")
         async with self._computing:
-            started = time.perf_counter()
+            started = world.monotonic()
             rows = await world.offload(answer_challenge, seed, n, self.matmul)
-            elapsed = time.perf_counter() - started
+            elapsed = world.monotonic() - started
         self.challenges += 1
         return Payload({"seconds": elapsed}, {"rows": np.frombuffer(rows, dtype=np.uint8)})

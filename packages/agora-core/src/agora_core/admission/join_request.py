@@ -9,11 +9,10 @@ has seen (replayed). The node id must be the hash of the public key the request 
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agora_core import world
 from agora_core.admission.refusals import Refusal, RefusalReason
 from agora_core.admission.signed import SignedMessage, decode_map, sign_map, verified_map
 from agora_core.identity import NodeKey, node_id_from_public_key
@@ -65,8 +64,8 @@ class JoinRequest:
     account_token: str = field(repr=False)  # a secret: never in logs
     hardware: HardwareReport
     software: dict[str, dict[str, str]]  # package -> {version, digest} (agora_core.admission.software)
-    timestamp: float = field(default_factory=time.time)
-    nonce: bytes = field(default_factory=lambda: os.urandom(NONCE_BYTES))
+    timestamp: float = field(default_factory=lambda: world.wall())
+    nonce: bytes = field(default_factory=lambda: world.token_bytes(NONCE_BYTES))
 
     def to_fields(self) -> dict:
         fields = asdict(self)
@@ -150,8 +149,8 @@ class RefreshRequest:
     run: str
     node_id: str
     serial: int
-    timestamp: float = field(default_factory=time.time)
-    nonce: bytes = field(default_factory=lambda: os.urandom(NONCE_BYTES))
+    timestamp: float = field(default_factory=lambda: world.wall())
+    nonce: bytes = field(default_factory=lambda: world.token_bytes(NONCE_BYTES))
 
     def to_fields(self) -> dict:
         return asdict(self)

@@ -239,10 +239,7 @@ def _check_agreement(swarm: _Swarm, seen: dict) -> list[str]:
         members = [i for i in swarm.live(stage) if swarm.workers[i].phases.phase.averages]
         if len(members) >= 2:
             groups[stage] = members
-    running = [swarm.workers[i].averager.round_task for i in swarm.live()]
-    running = [t for t in running if t is not None]
-    if running:  # a round the run started: let it end first
-        swarm.sim.run(asyncio.wait(running, timeout=ROUND_LIMIT_S))
+    _finish_rounds(swarm)  # a round the run started: let it end first
     seen["final_rounds"] = len(groups)
     violations = []
     for stage, members in groups.items():
@@ -286,7 +283,18 @@ def _final_round(swarm: _Swarm, stage: int, members: list[int], index: int) -> s
     return "agreed"
 
 
+def _finish_rounds(swarm: _Swarm) -> None:
+    """Let the live workers' running averaging rounds end (each has its own deadline)."""
+    running = [swarm.workers[i].averager.round_task for i in swarm.live()]
+    running = [t for t in running if t is not None and not t.done()]
+    if running:
+        swarm.sim.run(asyncio.wait(running, timeout=ROUND_LIMIT_S))
+
+
 def _check_bounds(swarm: _Swarm) -> list[str]:
+    # A step during the checking rounds (a stage's last batch) starts a round of its own at a
+    # cadence of one step: its reductions are open until it ends, which bounds them.
+    _finish_rounds(swarm)
     violations = []
     # a restart keeps its id; the seed, and the authorizer of an authorized run
     ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1 + (swarm.authority is not None)

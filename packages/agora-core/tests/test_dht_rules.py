@@ -252,6 +252,20 @@ def test_suspected_node_refutes_with_one_more_than_its_incarnation(table):
     assert me.incarnation == 11 and table.refutations == 1  # a report again at once: not refuted yet
 
 
+def test_a_previous_lifes_report_above_mine_is_outranked_only_when_my_key_signed_it(table):
+    me, key = table.me, table.claims.key
+    forged = report(NodeKey.generate(), me.incarnation + 5000, Status.DEAD)
+    forged.node_id, forged.public_key = me.node_id, key.public_key  # my id, another key's signature
+    table.apply(forged)
+    assert me.incarnation == 10 and not table.outrank(forged)  # nobody else raises my incarnation
+    # my previous life, restarted here on a clock behind its own: held dead at its incarnation
+    table.apply(report(key, me.incarnation + 5000, Status.DEAD))
+    assert me.incarnation == 5011 and table.refutations == 1
+    assert table.outrank(report(key, 6000, Status.DEAD)) and me.incarnation == 6001  # a join's answer
+    gossip = {update[0]: update for update in table.piggyback(16)}
+    assert gossip[me.node_id][3:5] == [6001, Status.ALIVE]  # the new claim goes out, signed
+
+
 def test_suspicion_times_out_into_death_and_tombstones_expire(table):
     other = NodeKey.generate()
     table.apply(member(other, 1, Status.ALIVE), now=0)

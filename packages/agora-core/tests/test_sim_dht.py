@@ -10,6 +10,7 @@ from pathlib import Path
 
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
+from agora_core.dht import DhtNode
 from agora_core.errors import PeerUnreachable, RpcError
 from agora_core.rpc import RpcClient
 from agora_core.sim import Simulation
@@ -115,3 +116,31 @@ def test_an_authorized_dht_converges_and_serves_over_curve_refuses_outsiders_and
     assert joined_s is not None and len(gets) == 5
     assert isinstance(refusal, PeerUnreachable), refusal  # served nothing
     assert run_authorized(seed=3)[2] == digest  # credentials and keys come from the seed too
+
+
+def test_a_member_restarted_on_a_clock_behind_its_previous_life_rejoins_above_it():
+    with Simulation(seed=21) as sim:
+        swarm = SimDhtSwarm(sim)
+        swarm.add(8)
+        assert swarm.run_until(swarm.converged, limit_s=60.0) is not None
+        old = swarm.nodes[3]
+        held_at = old.table.me.incarnation
+        swarm.kill(old)
+        gone = lambda: all(old.node_id not in n.live_ids() for n in swarm.live_nodes())  # noqa: E731
+        assert swarm.run_until(gone, limit_s=60.0) is not None  # a tombstone at held_at everywhere
+        # The same key restarts on a machine whose clock is five minutes behind: its first
+        # claim (wall-clock milliseconds) is below the incarnation its id is held dead at.
+        host = sim.network.add_host("restarted", LinkRange().draw(sim.rng()))
+        host.skew_s = -300.0
+        with host.active():
+            again = DhtNode(key=old.key, config=swarm.config, bootstrap=[swarm.nodes[0].address])
+            sim.run(again.start())  # joined: the member answered with held_at, it claimed above
+        assert again.table.me.incarnation > held_at
+        back = lambda: all(  # noqa: E731
+            again.node_id in n.live_ids() and n.table.get(again.node_id).address == again.address
+            for n in swarm.live_nodes()
+        )
+        assert swarm.run_until(back, limit_s=60.0) is not None  # alive again in every view
+        with host.active():
+            sim.run(again.stop(leave=False))
+        swarm.stop()

@@ -91,6 +91,21 @@ class Claims:
         me.identity = self._identify(me)
         me.expires = math.inf  # this node does not drop itself; the others check its credential
 
+    def mine(self, update: Member) -> bool:
+        """Whether ``update`` carries a claim this node's own key signed: a previous life's
+        (its incarnation may be above this life's)."""
+        if update.signature is None or update.public_key != self.key.public_key:
+            return False
+        payload = claim_payload(
+            self.run,
+            update.node_id,
+            update.address,
+            update.incarnation,
+            claimed_status(update.status),
+            update.credential,
+        )
+        return verify_signature(update.public_key, payload, update.signature)
+
     def plausible(self, update: Member) -> bool:
         """Cheap shape checks, before any signature is looked at."""
         if update.signature is None:

@@ -34,6 +34,7 @@ log = get_logger("dht")
 
 MAX_CHECKS_PER_REQUEST = 16  # claims whose signatures one incoming message may have checked
 REJOIN_TARGETS = 3  # addresses a cut-off node tries per period
+OUTRANKED = "outranked_by"  # a join's answer: what the joiner's id is held at, above its claim
 
 
 class Gossip:
@@ -134,15 +135,26 @@ class Gossip:
     async def _join_once(self, targets: Sequence[str], timeout_s: float, errors: dict[str, str]) -> bool:
         """Ask each of ``targets`` in turn for the member list; True once one answered."""
         for address in targets:
-            try:
-                reply = await self.client.call(
-                    address, Method.DHT_JOIN, {"member": self.table.me.to_wire()}, timeout_s=timeout_s
+            for _ in range(2):  # again at once when the claim was outranked, now above it
+                try:
+                    reply = await self.client.call(
+                        address, Method.DHT_JOIN, {"member": self.table.me.to_wire()}, timeout_s=timeout_s
+                    )
+                except RpcError as exc:
+                    errors[address] = str(exc)
+                    break
+                held = parse_update(reply.meta.get(OUTRANKED)) if isinstance(reply.meta, dict) else None
+                if held is not None:
+                    errors[address] = (
+                        f"this node's id is held at incarnation {held.incarnation}, above its claim"
+                    )
+                    if self.table.outrank(held):
+                        continue
+                    break
+                self.table.apply_all(
+                    member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED
                 )
-            except RpcError as exc:
-                errors[address] = str(exc)
-                continue
-            self.table.apply_all(member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED)
-            return True
+                return True
         return False
 
     async def heal(self, bootstrap: Sequence[str]) -> None:
@@ -252,6 +264,13 @@ class Gossip:
             )
         self.table.apply(joiner, budget=self._request_budget())
         known = self.table.get(joiner.node_id)
+        if known is not None and (
+            known.incarnation > joiner.incarnation
+            or (known.incarnation == joiner.incarnation and known.status != Status.ALIVE)
+        ):
+            # Held (alive, dead or left) at an incarnation its claim does not outrank: a previous
+            # life whose clock ran ahead of this one's. Say which, and it claims above it.
+            return Payload({OUTRANKED: known.to_wire()})  # its own signed claim: it can check
         if known is None or known.status != Status.ALIVE or known.incarnation < joiner.incarnation:
             raise BadRequest("join refused: the member's signed claim or its credential does not verify")
         return Payload({}, self._snapshot())

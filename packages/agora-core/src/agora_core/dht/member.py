@@ -104,3 +104,13 @@ class Budget:
             return False
         self.checks_left -= 1
         return True
+
+
+def overrides(new: Member, old: Member) -> bool:
+    """SWIM precedence of a member's own claim (ALIVE or LEFT) over what is held."""
+    if new.status == Status.ALIVE:
+        return new.incarnation > old.incarnation or (old.hearsay and new.incarnation == old.incarnation)
+    # LEFT
+    if old.status in GONE:
+        return new.incarnation > old.incarnation or (new.status == Status.LEFT and old.status == Status.DEAD)
+    return new.incarnation >= old.incarnation

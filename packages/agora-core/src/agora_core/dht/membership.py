@@ -11,7 +11,10 @@ signatures only when they would change the table, so stale repeated gossip costs
 
 A node that hears itself suspected or declared dead at its incarnation refutes it by raising
 its incarnation by one, signed. Incarnations start at the wall-clock time in milliseconds, so
-a restarted node (same key, same id) outranks everything said about its previous life. Dead
+a restarted node (same key, same id) outranks everything said about its previous life -- unless
+that life's clock ran ahead of this one's (a restart on another machine): a join through a
+member holding the old incarnation is then answered with the old life's signed claim, a report
+of its death carries that claim too, and the node claims above it (:meth:`MemberTable.outrank`). Dead
 and departed members are kept as tombstones for a while, so stale gossip cannot bring them
 back, then forgotten. In an authorized run a member whose credential expires, or is revoked,
 is dropped from the live view until it claims again with a valid one.
@@ -34,6 +37,7 @@ from agora_core.dht.member import (
     Budget,
     Member,
     Status,
+    overrides,
     parse_update,
 )
 
@@ -41,16 +45,6 @@ if TYPE_CHECKING:
     from agora_core.dht.claims import Claims
 
 __all__ = ["GONE", "HINTS", "Budget", "Member", "MemberTable", "Status", "parse_update"]
-
-
-def _overrides(new: Member, old: Member) -> bool:
-    """SWIM precedence of a member's own claim (ALIVE or LEFT) over what is held."""
-    if new.status == Status.ALIVE:
-        return new.incarnation > old.incarnation or (old.hearsay and new.incarnation == old.incarnation)
-    # LEFT
-    if old.status in GONE:
-        return new.incarnation > old.incarnation or (new.status == Status.LEFT and old.status == Status.DEAD)
-    return new.incarnation >= old.incarnation
 
 
 class MemberTable:
@@ -193,7 +187,7 @@ class MemberTable:
             if old.status == Status.ALIVE and update.incarnation >= old.incarnation:
                 self._on_hint(old)
             return False
-        if not _overrides(update, old) or not self._check(update, budget):
+        if not overrides(update, old) or not self._check(update, budget):
             return False
         old.hearsay = False
         if update.status != old.status:
@@ -239,10 +233,13 @@ class MemberTable:
         return self.claims.admit(update)
 
     def _about_me(self, update: Member) -> None:
-        """Refute a report that I am suspect or dead at my incarnation. Reports above it are
-        not mine to follow (only I raise my incarnation), claims in my name not mine to heed."""
-        if self.leaving or update.status not in HINTS or update.incarnation != self.me.incarnation:
+        """Refute a report that I am suspect or dead at my incarnation, or above it when the
+        claim it carries is my own key's (a previous life whose clock ran ahead: restarted on a
+        machine whose clock is behind). Claims in my name are not mine to heed."""
+        if self.leaving or update.status not in HINTS or update.incarnation < self.me.incarnation:
             return
+        if update.incarnation > self.me.incarnation and not self.claims.mine(update):
+            return  # above mine, and not a life of mine: nobody else raises my incarnation
         # At most one refutation per fifth of the suspicion timeout: anyone who knows my
         # incarnation could report me at it over and over, each costing a signature here and
         # a check everywhere. A genuine suspecter keeps saying so, and is answered in time.
@@ -251,12 +248,21 @@ class MemberTable:
             return
         self._refuted_at = now
         self.refutations += 1
-        self._raise_incarnation()
+        self._raise_incarnation(above=update.incarnation)
 
-    def _raise_incarnation(self) -> None:
-        self.me.incarnation += 1
+    def _raise_incarnation(self, above: int = 0) -> None:
+        self.me.incarnation = max(self.me.incarnation, above) + 1
         self.claims.sign(self.me)
         self._queue(self.me)
+
+    def outrank(self, held: Member) -> bool:
+        """Claim again above ``held``, what a member holds of this node's id at an incarnation
+        this node's claim does not outrank (a join answered so): when it is a previous life's
+        own signed claim. Returns whether it did."""
+        if self.leaving or held.node_id != self.me.node_id or not self.claims.mine(held):
+            return False
+        self._raise_incarnation(above=held.incarnation)
+        return True
 
     def reclaim(self) -> None:
         """Claim again at a raised incarnation, outranking whatever others hold about this

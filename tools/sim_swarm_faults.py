@@ -236,7 +236,11 @@ def _check_agreement(swarm: _Swarm, seen: dict) -> list[str]:
         return []
     groups = {}
     for stage in range(swarm.scenario.stages):
-        members = [i for i in swarm.live(stage) if swarm.workers[i].phases.phase.averages]
+        # the stage's replicas: state in place (a joiner still downloading, or still in an
+        # authorized run's queue, holds none yet, and may yet be refused and exit)
+        members = [
+            i for i in swarm.live(stage) if swarm.workers[i].ready and swarm.workers[i].phases.phase.averages
+        ]
         if len(members) >= 2:
             groups[stage] = members
     _finish_rounds(swarm)  # a round the run started: let it end first

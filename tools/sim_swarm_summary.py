@@ -63,11 +63,7 @@ def swarm_summary(
         "averaging_allreduce_s": statistics.median(r.allreduce_s for r in grouped) if grouped else None,
         "completed": completed,
         "authorized": scenario.authorized,
-        **(
-            swarm.authority.summary([*(workers[i] for i in swarm.live()), *trainers])
-            if swarm.authority
-            else {}
-        ),
+        **(swarm.authority.summary(_up(swarm)) if swarm.authority else {}),
         # every sample taken from the shards is completed, on its way, or waiting to run again
         "lost": sum(  # a trainer down at the end: its restart takes its samples up again
             t.counters.dispatched - t.counters.completed - t.counters.in_flight - t.counters.requeued
@@ -78,3 +74,9 @@ def swarm_summary(
         "in_flight_at_end": sum(t.counters.in_flight for t in trainers),
         "requeued": sum(t.counters.requeued for t in trainers),
     }
+
+
+def _up(swarm: _Swarm) -> list:
+    """The workers and trainers whose process runs now."""
+    workers = [swarm.workers[i] for i in swarm.live()]
+    return workers + [t for i, t in enumerate(swarm.trainers) if i not in swarm.trainer_set.down]

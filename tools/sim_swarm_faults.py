@@ -288,11 +288,16 @@ def _final_round(swarm: _Swarm, stage: int, members: list[int], index: int) -> s
 
 
 def _finish_rounds(swarm: _Swarm) -> None:
-    """Let the live workers' running averaging rounds end (each has its own deadline)."""
-    running = [swarm.workers[i].averager.round_task for i in swarm.live()]
-    running = [t for t in running if t is not None and not t.done()]
-    if running:
-        swarm.sim.run(asyncio.wait(running, timeout=ROUND_LIMIT_S))
+    """Let the live workers' running averaging rounds end (each has its own deadline). One
+    round's end may start a peer's next (its progress poke), so look again, a few times."""
+    started = swarm.sim.elapsed_s
+    for _ in range(FINAL_ATTEMPTS + 2):
+        running = [swarm.workers[i].averager.round_task for i in swarm.live()]
+        running = [t for t in running if t is not None and not t.done()]
+        left_s = ROUND_LIMIT_S - (swarm.sim.elapsed_s - started)
+        if not running or left_s <= 0:
+            return
+        swarm.sim.run(asyncio.wait(running, timeout=left_s))
 
 
 def _check_bounds(swarm: _Swarm) -> list[str]:

@@ -59,6 +59,7 @@ from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 from sim_swarm_auth import SwarmAuthority
 from sim_swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
+from sim_swarm_nodes import OpenNodes
 from sim_swarm_summary import swarm_summary
 from sim_swarm_trainers import SwarmTrainers
 
@@ -178,20 +179,12 @@ class _Swarm:
         self.members: list[DhtNode] = []  # the DHT members that host no stage
         self.trainer_set = SwarmTrainers(self)
         self.disturbances = Disturbances(self)
-        self.authority = SwarmAuthority(self) if scenario.authorized else None
+        # how nodes are built and started: an authorized run's are admitted by its authorizer
+        self.nodes = SwarmAuthority(self) if scenario.authorized else OpenNodes(self)
         with self.host("seed").active():
-            if self.authority is None:
-                self.seed = DhtNode(key=sim.key(), config=run.dht)
-                sim.run(self.seed.start())
-            else:
-                seed = self.authority.credentialed(sim.key(), bootstrap=False)
-                self.seed = seed.dht
-                sim.run(seed.start())
-        if self.authority is not None:
-            self.authority.start_authorizer()
-
-    def bootstrap(self) -> list[str]:
-        return [self.seed.address] if self.authority is None else self.authority.bootstrap()
+            seed, self.seed = self.nodes.seed(sim.key())
+            sim.run(seed.start())
+        self.nodes.after_seed()
 
     def host(self, name: str):
         host = self.sim.network.add_host(name, self.scenario.links.draw(self.rng))
@@ -205,16 +198,7 @@ class _Swarm:
         host = self.host(f"worker-{stage}.{len(self.workers)}")
         settings = WorkerSettings(surrogate_delay_scale=self.stage_cost(stage) / speed)
         with host.active():
-            if self.authority is None:
-                worker = Worker(
-                    run=self.run,
-                    stage=stage,
-                    key=self.sim.key(),
-                    bootstrap=self.bootstrap(),
-                    settings=settings,
-                )
-            else:
-                worker = self.authority.worker(stage, self.sim.key(), settings)
+            worker = self.nodes.worker(stage, self.sim.key(), settings)
         self.workers.append(worker)
         self.hosts.append(host)
         return worker, host
@@ -239,15 +223,7 @@ class _Swarm:
 
     async def _start(self, node, host) -> None:
         with host.active():
-            await self.start_of(node)
-
-    def start_of(self, node):
-        """``node``'s start: an authorized run's workers and trainers are admitted first."""
-        if self.authority is not None and isinstance(node, Worker):
-            return self.authority.start_worker(node)
-        if self.authority is not None and isinstance(node, Trainer):
-            return self.authority.start_trainer(node)
-        return node.start()
+            await self.nodes.start(node)
 
     def start_members(self) -> None:
         for first in range(0, self.scenario.dht_members, self.scenario.start_batch):
@@ -255,13 +231,10 @@ class _Swarm:
             for index in range(first, min(first + self.scenario.start_batch, self.scenario.dht_members)):
                 host = self.host(f"member-{index}")
                 with host.active():
-                    if self.authority is None:
-                        node = DhtNode(key=self.sim.key(), config=self.run.dht, bootstrap=self.bootstrap())
-                    else:
-                        node = self.authority.credentialed(self.sim.key())  # a RunNode: its .dht
+                    node, dht = self.nodes.member(self.sim.key())
                 group.append((node, host))
+                self.members.append(dht)
             self.sim.run(asyncio.gather(*(self._start(node, host) for node, host in group)))
-            self.members.extend(getattr(node, "dht", node) for node, _ in group)
 
     @property
     def trainers(self) -> list[Trainer]:

@@ -31,6 +31,7 @@ from agora_core import world
 from agora_core.admission.join_request import HardwareReport
 from agora_core.admission.node_admission import NodeAdmission
 from agora_core.config import NodeSettings, RunConfig
+from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
@@ -76,7 +77,10 @@ def authorized_run(run: RunConfig, key: NodeKey) -> RunConfig:
 
 
 class SwarmAuthority:
-    """The authorizer of one simulated swarm, and how its nodes are built to be admitted."""
+    """The authorizer of one simulated swarm, and how its nodes are built to be admitted (the
+    methods of ``sim_swarm_nodes.OpenNodes``)."""
+
+    own_members = 1  # the authorizer
 
     def __init__(self, swarm: _Swarm):
         self.swarm = swarm
@@ -88,8 +92,27 @@ class SwarmAuthority:
         self.authorizer: Authorizer | None = None
         self.seed_key: NodeKey | None = None
 
-    def credentialed(self, key: NodeKey, *, bootstrap: bool = True) -> RunNode:
-        """A DHT member's node holding its operator-signed credential (the seed's: no bootstrap)."""
+    def seed(self, key: NodeKey) -> tuple[RunNode, DhtNode]:
+        """(what to start, its DHT node) of the run's first member."""
+        self.seed_key = key
+        node = self._credentialed(key, bootstrap=())
+        return node, node.dht
+
+    def after_seed(self) -> None:
+        """The authorizer, a member too, before any node asks it to join."""
+        host = self.swarm.host("authorizer")
+        with host.active():
+            self.authorizer = Authorizer(
+                run=self.run, key=self.key, store=self.store, bootstrap=self.bootstrap()
+            )
+        self.swarm.sim.run(self.swarm._start(self.authorizer, host))
+
+    def member(self, key: NodeKey) -> tuple[RunNode, DhtNode]:
+        node = self._credentialed(key, bootstrap=self.bootstrap())
+        return node, node.dht
+
+    def _credentialed(self, key: NodeKey, *, bootstrap: list[str] | tuple) -> RunNode:
+        """A DHT member's node holding its operator-signed credential."""
         credential = issue_operator_credential(
             self.store,
             run=self.run,
@@ -99,13 +122,11 @@ class SwarmAuthority:
             stage=None,
             lifetime_s=LONG_LIVED_S,
         )
-        if not bootstrap:
-            self.seed_key = key
         return RunNode(
             run=self.run,
             key=key,
             metrics=NodeMetrics(role="dht", instance=key.node_id[:12]),
-            bootstrap=self.bootstrap() if bootstrap else (),
+            bootstrap=bootstrap,
             credential=credential,
         )
 
@@ -113,14 +134,6 @@ class SwarmAuthority:
         """The seed as an authorized run names it: its key, then its address."""
         assert self.seed_key is not None
         return [f"{self.seed_key.public_key.hex()}@{self.swarm.seed.address}"]
-
-    def start_authorizer(self) -> None:
-        host = self.swarm.host("authorizer")
-        with host.active():
-            self.authorizer = Authorizer(
-                run=self.run, key=self.key, store=self.store, bootstrap=self.bootstrap()
-            )
-        self.swarm.sim.run(self.swarm._start(self.authorizer, host))
 
     def _admitted(self, key: NodeKey, metrics: NodeMetrics, role: str, settings) -> dict:
         """What a worker or trainer of ``role`` is built with to be admitted: its run, key,
@@ -158,8 +171,16 @@ class SwarmAuthority:
         metrics = NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
         return Worker(stage=stage, **self._admitted(key, metrics, "worker", settings))
 
+    def start(self, node):
+        """``node``'s start: a worker or trainer is admitted first."""
+        if isinstance(node, Worker):
+            return self._start_worker(node)
+        if isinstance(node, Trainer):
+            return self._start_trainer(node)
+        return node.start()
+
     @staticmethod
-    async def start_worker(worker: Worker) -> str:
+    async def _start_worker(worker: Worker) -> str:
         """Submit, learn the stage while queued (downloading meanwhile), then serve."""
         await worker.admission.submit()
         stage = await worker.admission.placed()
@@ -172,7 +193,7 @@ class SwarmAuthority:
         return Trainer(shards_dir=shards, **self._admitted(key, metrics, "trainer", settings))
 
     @staticmethod
-    async def start_trainer(trainer: Trainer) -> None:
+    async def _start_trainer(trainer: Trainer) -> None:
         await trainer.admission.submit()
         await trainer.start()  # routes once admitted
 

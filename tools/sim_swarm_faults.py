@@ -118,7 +118,7 @@ class Disturbances:
         index = len(swarm.workers) - 1
         self.counts["joins"] += 1
         with host.active():
-            task = swarm.sim.loop.create_task(swarm.start_of(worker))
+            task = swarm.sim.loop.create_task(swarm.nodes.start(worker))
         task.add_done_callback(lambda t: self._joined(t, index))
 
     def _joined(self, task, index: int) -> None:
@@ -305,8 +305,8 @@ def _check_bounds(swarm: _Swarm) -> list[str]:
     # cadence of one step: its reductions are open until it ends, which bounds them.
     _finish_rounds(swarm)
     violations = []
-    # a restart keeps its id; the seed, and the authorizer of an authorized run
-    ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1 + (swarm.authority is not None)
+    # a restart keeps its id; the seed, and the builder's own (an authorized run's authorizer)
+    ever = len(swarm.workers) + len(swarm.members) + len(swarm.trainers) + 1 + swarm.nodes.own_members
     for i in swarm.live():
         worker = swarm.workers[i]
         if worker.runtime.queued_samples:

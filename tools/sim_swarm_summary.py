@@ -63,7 +63,7 @@ def swarm_summary(
         "averaging_allreduce_s": statistics.median(r.allreduce_s for r in grouped) if grouped else None,
         "completed": completed,
         "authorized": scenario.authorized,
-        **(swarm.authority.summary(_up(swarm)) if swarm.authority else {}),
+        **swarm.nodes.summary(_up(swarm)),
         # every sample taken from the shards is completed, on its way, or waiting to run again
         "lost": sum(  # a trainer down at the end: its restart takes its samples up again
             t.counters.dispatched - t.counters.completed - t.counters.in_flight - t.counters.requeued

@@ -50,16 +50,7 @@ class SwarmTrainers:
         )
         with host.active():
             key = self.nodes[index].key if restart else swarm.sim.key()
-            if swarm.authority is not None:  # admitted by the run's authorizer, again on a restart
-                trainer = swarm.authority.trainer(key, self.shards, settings)
-            else:
-                trainer = Trainer(
-                    run=swarm.run,
-                    shards_dir=self.shards,
-                    key=key,
-                    bootstrap=swarm.bootstrap(),
-                    settings=settings,
-                )
+            trainer = swarm.nodes.trainer(key, self.shards, settings)  # an authorized one rejoins
         return trainer, host
 
     def start(self, shards: Path) -> None:
@@ -99,7 +90,7 @@ class SwarmTrainers:
 
     async def _run(self, trainer: Trainer) -> Counters | None:
         try:
-            await self.swarm.start_of(trainer)
+            await self.swarm.nodes.start(trainer)
         except AdmissionRefused:  # the authorizer could not dial it back through a fault:
             self.refused += 1  # the process exits, and its supervisor starts it again
             self.swarm.sim.loop.call_soon(self._exit, self.nodes.index(trainer))

@@ -156,8 +156,6 @@ run_dir_option = click.option(
 )
 @click.option("--replicas", type=int, default=2, show_default=True, help="Workers per stage.")
 @click.option("--trainers", type=int, default=1, show_default=True, help="Trainer processes.")
-# 2 lanes x 4 samples: the 8 samples in flight of 4 x 2 (the same loss at equal samples), in half
-# the messages; on two cores a message's CPU, not the pipeline's depth, sets the pace (1.27x).
 @click.option("--lanes", type=int, default=2, show_default=True, help="Microbatches in flight per trainer.")
 @click.option("--microbatch", type=int, default=4, show_default=True, help="Samples a lane sends at once.")
 @click.option("--samples", type=int, help="Samples per trainer; the swarm stops when they are done.")

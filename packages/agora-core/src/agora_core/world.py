@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -77,10 +76,8 @@ def token_bytes(nbytes: int) -> bytes:
 
 
 def token_hex(nbytes: int) -> str:
-    """A random name (a snapshot's, a file's): from the OS; under a simulation from its seed."""
-    if _simulated:
-        return _rng_factory(None).getrandbits(8 * nbytes).to_bytes(nbytes, "big").hex()
-    return secrets.token_hex(nbytes)
+    """A random name (a snapshot's, a file's): :func:`token_bytes` in hex."""
+    return token_bytes(nbytes).hex()
 
 
 def network() -> Network:

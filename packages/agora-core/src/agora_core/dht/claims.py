@@ -94,8 +94,13 @@ class Claims:
     def mine(self, update: Member) -> bool:
         """Whether ``update`` carries a claim this node's own key signed: a previous life's
         (its incarnation may be above this life's)."""
-        if update.signature is None or update.public_key != self.key.public_key:
-            return False
+        return (
+            update.signature is not None
+            and update.public_key == self.key.public_key
+            and self._signed_by_its_key(update)
+        )
+
+    def _signed_by_its_key(self, update: Member) -> bool:
         payload = claim_payload(
             self.run,
             update.node_id,
@@ -126,10 +131,7 @@ class Claims:
         seen += (credential_digest(update.credential),)
         if seen in self._refused:
             return self._reject(self._refused[seen])
-        payload = claim_payload(
-            self.run, update.node_id, update.address, update.incarnation, claimed, update.credential
-        )
-        if not verify_signature(update.public_key, payload, update.signature):
+        if not self._signed_by_its_key(update):
             return self._refuse(seen, "bad_claim_signature")
         if self.verifier is None:
             update.identity, update.expires = None, math.inf

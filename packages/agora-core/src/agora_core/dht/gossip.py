@@ -37,6 +37,11 @@ REJOIN_TARGETS = 3  # addresses a cut-off node tries per period
 OUTRANKED = "outranked_by"  # a join's answer: what the joiner's id is held at, above its claim
 
 
+def _outranked_by(reply: Payload) -> Member | None:
+    """What a join's answer says this node's id is held at, above its claim (None: joined)."""
+    return parse_update(reply.meta.get(OUTRANKED)) if isinstance(reply.meta, dict) else None
+
+
 class Gossip:
     def __init__(
         self,
@@ -135,27 +140,26 @@ class Gossip:
     async def _join_once(self, targets: Sequence[str], timeout_s: float, errors: dict[str, str]) -> bool:
         """Ask each of ``targets`` in turn for the member list; True once one answered."""
         for address in targets:
-            for _ in range(2):  # again at once when the claim was outranked, now above it
-                try:
-                    reply = await self.client.call(
-                        address, Method.DHT_JOIN, {"member": self.table.me.to_wire()}, timeout_s=timeout_s
-                    )
-                except RpcError as exc:
-                    errors[address] = str(exc)
-                    break
-                held = parse_update(reply.meta.get(OUTRANKED)) if isinstance(reply.meta, dict) else None
-                if held is not None:
-                    errors[address] = (
-                        f"this node's id is held at incarnation {held.incarnation}, above its claim"
-                    )
-                    if self.table.outrank(held):
-                        continue
-                    break
-                self.table.apply_all(
-                    member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED
-                )
-                return True
+            try:
+                reply = await self._ask_to_join(address, timeout_s)
+                held = _outranked_by(reply)
+                if held is not None and self.table.outrank(held):  # a previous life's: claim above it
+                    reply = await self._ask_to_join(address, timeout_s)
+                    held = _outranked_by(reply)
+            except RpcError as exc:
+                errors[address] = str(exc)
+                continue
+            if held is not None:
+                errors[address] = f"this node's id is held at incarnation {held.incarnation}, above its claim"
+                continue
+            self.table.apply_all(member_list.unpack(reply.meta, reply.tensors), limit=member_list.MAX_LISTED)
+            return True
         return False
+
+    async def _ask_to_join(self, address: str, timeout_s: float) -> Payload:
+        return await self.client.call(
+            address, Method.DHT_JOIN, {"member": self.table.me.to_wire()}, timeout_s=timeout_s
+        )
 
     async def heal(self, bootstrap: Sequence[str]) -> None:
         """Every period, rejoin if this node was cut off (:meth:`rejoin_if_cut_off`), else
@@ -264,15 +268,13 @@ class Gossip:
             )
         self.table.apply(joiner, budget=self._request_budget())
         known = self.table.get(joiner.node_id)
-        if known is not None and (
-            known.incarnation > joiner.incarnation
-            or (known.incarnation == joiner.incarnation and known.status != Status.ALIVE)
-        ):
-            # Held (alive, dead or left) at an incarnation its claim does not outrank: a previous
-            # life whose clock ran ahead of this one's. Say which, and it claims above it.
-            return Payload({OUTRANKED: known.to_wire()})  # its own signed claim: it can check
-        if known is None or known.status != Status.ALIVE or known.incarnation < joiner.incarnation:
+        if known is None or known.incarnation < joiner.incarnation:  # the claim was not taken
             raise BadRequest("join refused: the member's signed claim or its credential does not verify")
+        if known.incarnation > joiner.incarnation or known.status != Status.ALIVE:
+            # Held (alive, dead or left) at an incarnation its claim does not outrank: a previous
+            # life whose clock ran ahead of this one's. Its own signed claim says which, and the
+            # joiner claims above it.
+            return Payload({OUTRANKED: known.to_wire()})
         return Payload({}, self._snapshot())
 
     def _reply(self, **fields: Any) -> Payload:

@@ -11,10 +11,8 @@ signatures only when they would change the table, so stale repeated gossip costs
 
 A node that hears itself suspected or declared dead at its incarnation refutes it by raising
 its incarnation by one, signed. Incarnations start at the wall-clock time in milliseconds, so
-a restarted node (same key, same id) outranks everything said about its previous life -- unless
-that life's clock ran ahead of this one's (a restart on another machine): a join through a
-member holding the old incarnation is then answered with the old life's signed claim, a report
-of its death carries that claim too, and the node claims above it (:meth:`MemberTable.outrank`). Dead
+a restarted node (same key, same id) outranks everything said about its previous life; if that
+life's clock ran ahead, the node claims above its signed claim (:meth:`MemberTable.outrank`). Dead
 and departed members are kept as tombstones for a while, so stale gossip cannot bring them
 back, then forgotten. In an authorized run a member whose credential expires, or is revoked,
 is dropped from the live view until it claims again with a valid one.

@@ -147,6 +147,55 @@ async def test_two_workers_of_a_stage_step_together_when_their_count_reaches_the
     assert a.last_step.applied and b.last_step.applied
 
 
+async def test_a_peer_learns_each_count_from_pushes_while_the_report_is_stored_at_most_once_a_second(
+    workers, client
+):
+    run = dataclasses.replace(SURROGATE, optimizer=OptimizerConfig(target_batch_size=64))  # no step here
+    a, b = await workers(1, run), await workers(1, run)
+    await wait_until_async(
+        lambda: len(a.progress.known()) == 1 and len(b.progress.known()) == 1, what="each to know the other"
+    )
+    boundary = np.zeros((1, 8, MODEL.subspace_rank), dtype=np.float32)
+    stored, since = a.progress.publishes, time.monotonic()
+    samples = 12
+    for i in range(samples):
+        tokens, _ = sample(seed=i)
+        await client.call(
+            a.address,
+            "backward",
+            {"stage": 1},
+            {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
+        )
+        await wait_until_async(
+            lambda n=i + 1: b.progress.stage_samples == n, what=f"b to see {i + 1} samples"
+        )
+    stores = a.progress.publishes - stored
+    # b saw every one of the 12 counts, which a stored at most once a second: pushes carried them
+    assert stores <= (time.monotonic() - since) / 1.0 + 1
+    assert stores < samples and a.progress.pushes_sent >= samples - stores
+
+
+async def test_a_bad_or_unknown_progress_push_is_refused_or_ignored_and_the_worker_keeps_counting(
+    workers, client
+):
+    a, b = await workers(1, SURROGATE), await workers(1, SURROGATE)
+    await wait_until_async(lambda: len(b.progress.known()) == 1, what="b to know a")
+    for meta in (
+        {"stage": 1, "node": a.key.node_id, "step": -1, "samples": 3},
+        {"stage": 1, "step": 0, "samples": "3"},
+    ):
+        with pytest.raises(BadRequest):
+            await client.call(b.address, "progress.poke", meta)
+    # a node no signed report shows (a made-up id): not counted toward the stage's batch
+    await client.call(b.address, "progress.poke", {"stage": 1, "node": "ab" * 32, "step": 0, "samples": 7})
+    await client.call(
+        b.address, "progress.poke", {"stage": 1, "node": a.key.node_id, "step": 0, "samples": 7}
+    )
+    await wait_until_async(lambda: b.progress.stage_samples == 7, what="b to count a's pushed 7")
+    assert [r.node_id for r in b.progress.known()] == [a.key.node_id]
+    assert b.optimizer.step == 0  # 7 of 8: nobody steps
+
+
 async def test_an_idle_worker_reports_only_when_its_refresh_is_due_and_at_once_on_its_first_sample(
     workers, client
 ):

@@ -184,7 +184,10 @@ def _print_started(worker: Worker, address: str, exposure: MetricsExposure) -> N
     "Masters and AdamW stay fp32 on the host. CUDA only.",
 )
 @click.option(
-    "--progress-interval", "progress_interval_s", type=float, help="Seconds between stage-progress checks."
+    "--progress-interval",
+    "progress_interval_s",
+    type=float,
+    help="Seconds between stage-progress checks (and pushes of changed counts to peers).",
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
 @click.option(

@@ -4,14 +4,20 @@ Every worker publishes, under its own signed subkey of the stage's progress key,
 is at and the samples it accumulated toward it; it reads everyone's. When the samples of all
 workers at its step reach the run's target batch size, or any worker already moved past that
 step, it takes its own optimizer step. No worker waits for another: each decides from what
-the DHT shows, and a worker that missed the moment catches up as soon as it sees a later step.
+it last learned, and a worker that missed the moment catches up as soon as it sees a later
+step.
 
-A worker holding no samples toward its step has little to decide: it looks once a second
-(``IDLE_INTERVAL_S``) or when woken -- by a peer's poke after a step, or by the first backward
-that lands -- and any worker republishes its report only when the report changed or its
-refresh (a third of the report's lifetime) is due. An idle stage so costs a read per worker a
-second and a signed store every few seconds, instead of ten of each a second (the main job's
-progress interval is 0.1 s).
+Two channels carry the counts. The DHT report is the record: signed, read by joiners and
+status tools, and the only way a worker learns who its peers are and where they listen. A
+worker stores it when it changed and a second has passed (``DHT_INTERVAL_S``), or when its
+refresh (a third of the report's lifetime) is due, and reads the stage's reports once a
+second. Between those, a worker pushes its (step, samples) straight to the peers it knows
+(``progress.poke`` with the counts), at most once per ``interval_s`` while they change and at
+once after a step. A push is counted only for a peer the signed reports show, and only
+while it is newer than that peer's report and younger than a report refresh; a lost push
+costs at most a second's lateness until the next DHT read. The main job's workers step every
+fraction of a second: a store and a quorum read every 0.1 s tick for each of them were half
+of what their event loops did, where one message to each peer carries the same news.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from agora_core.schema import StageProgress, parse_entries, stage_progress_key
 
 log = get_logger("worker.progress")
 
-# How often a worker with no samples toward its step looks: a peer that stepped pokes it at
-# once; this bounds how late it notices when a poke was lost.
-IDLE_INTERVAL_S = 1.0
+# How often a worker reads the stage's reports and, at most, stores its own: a peer's push
+# tells it sooner; this bounds how late it learns of a new peer, or of a step whose push was
+# lost.
+DHT_INTERVAL_S = 1.0
 
 
 class StageProgressTracker:
@@ -49,13 +56,14 @@ class StageProgressTracker:
         local: Callable[[], tuple[int, int]],
         take_step: Callable[[], Awaitable[object]],
         address: Callable[[], str] = lambda: "",
-        poke: Callable[[str], Awaitable[object]] | None = None,
+        poke: Callable[[str, int, int], Awaitable[object]] | None = None,
     ):
         """``local()`` gives this worker's (step, accumulated samples); ``take_step()`` steps.
-        With ``poke(address)``, a worker that steps pokes its peers at their ``address()``, so
-        they check at once instead of at their next tick. Reports live ``ttl_s`` (the run's
-        dht.record_ttl_s): a dead worker's lingers that long, which costs at most one early
-        step, since only reports at a worker's own step count toward its batch."""
+        With ``poke(address, step, samples)``, a worker pushes its counts to its peers at their
+        ``address()`` as they change, and they hand theirs to :meth:`pushed`. Reports live
+        ``ttl_s`` (the run's dht.record_ttl_s): a dead worker's lingers that long, which costs
+        at most one early step, since only reports at a worker's own step count toward its
+        batch."""
         check_refresh(interval_s, ttl_s, "progress_interval_s")
         self._key = key
         self._dht = dht
@@ -64,37 +72,62 @@ class StageProgressTracker:
         self._interval_s = interval_s
         self._ttl_s = ttl_s
         self._refresh_s = max(interval_s, ttl_s / REFRESHES_PER_TTL)  # republishing an unchanged report
-        self._idle_s = max(interval_s, min(IDLE_INTERVAL_S, self._refresh_s))
+        self._dht_s = max(interval_s, min(DHT_INTERVAL_S, self._refresh_s))
         self._published: tuple | None = None  # (step, samples, address) of the last report
-        self._published_at = 0.0
+        self._published_at = -float("inf")
         self.publishes = 0  # reports stored (unchanged fresh ones are skipped)
+        self._reports: list[StageProgress] = []  # the live peers' signed reports, as last read
+        self._read_at = -float("inf")
+        self._read_early = False  # a push came from a worker the last read did not show
+        self._pushes: dict[str, tuple[int, int, float]] = {}  # peer -> (step, samples, when received)
+        self._sent: tuple[int, int] | None = None  # the counts this worker last pushed
+        self._sent_at = -float("inf")
+        self.pushes_sent = 0
         self._idle = False  # waiting out an idle tick: no samples toward the step
         self._local = local
         self._take_step = take_step
         self._address = address
         self._poke = poke
         self._peer_addresses: list[str] = []
-        self._pokes: set[asyncio.Task] = set()  # held so the loop does not drop them mid-flight
+        self._pokes: dict[str, asyncio.Task] = {}  # one push in flight per peer, held so the loop keeps it
         self.stage_samples = 0  # what the stage holds toward this worker's current step
         self.stage_step = 0  # the furthest of this worker's step and the others' reported ones
-        self.last_ok = world.monotonic()  # when a publish and read last both succeeded
+        self.last_ok = world.monotonic()  # when a read (with its due publish) last succeeded
         self.peers = 0
-        self._others = 0  # the other workers' samples at this worker's step, as last read
+        self._others = 0  # the other workers' samples at this worker's step, as last known
         self._wake = asyncio.Event()
 
     def decide(self, reports: list[StageProgress]) -> bool:
-        """Whether to step now, given the stage's reports (this worker's own included)."""
+        """Whether to step now, given the peers' reports (this worker's own is ignored)."""
         step, samples = self._local()
-        at_step = [r for r in reports if r.step == step and r.node_id != self._key.node_id]
-        self._peer_addresses = [r.address for r in reports if r.node_id != self._key.node_id and r.address]
+        # Its own report is ignored: local() is the truth, and a restarted worker with the same
+        # key may still read its previous life's report.
+        others = [r for r in reports if r.node_id != self._key.node_id]
+        at_step = [r for r in others if r.step == step]
         self.peers = len(at_step)
         self._others = sum(r.samples for r in at_step)
         self.stage_samples = samples + self._others
-        # Its own report is ignored: local() is the truth, and a restarted worker with the same
-        # key may still read its previous life's report.
-        self.stage_step = max([step, *(r.step for r in reports if r.node_id != self._key.node_id)])
+        self.stage_step = max([step, *(r.step for r in others)])
         behind = self.stage_step > step
         return behind or (samples > 0 and self.stage_samples >= self._target)
+
+    def known(self) -> list[StageProgress]:
+        """The peers' reports as this worker knows them: each signed report, raised to the
+        counts its worker pushed since, while the push is fresh."""
+        now = world.monotonic()
+        known = []
+        for report in self._reports:
+            pushed = self._pushes.get(report.node_id)
+            if (
+                pushed is not None
+                and now - pushed[2] < self._refresh_s
+                and pushed[:2] > (report.step, report.samples)
+            ):
+                report = StageProgress(
+                    node_id=report.node_id, step=pushed[0], samples=pushed[1], address=report.address
+                )
+            known.append(report)
+        return known
 
     @property
     def reported(self) -> tuple[int, int] | None:
@@ -107,33 +140,65 @@ class StageProgressTracker:
         return self._local()[1]
 
     def poked(self) -> None:
-        """A peer stepped: look now."""
+        """A peer asked this worker to look now."""
+        self._wake.set()
+
+    def pushed(self, sender: str, step: int, samples: int) -> None:
+        """Peer ``sender`` is at ``step`` with ``samples`` toward it. A sender the signed
+        reports do not show yet is not counted (nor kept: anyone may claim any sender in an
+        open run); it makes the next tick read the reports, which show it once it stored one."""
+        if any(r.node_id == sender for r in self._reports):
+            self._pushes[sender] = (step, samples, world.monotonic())
+        else:
+            self._read_early = True
         self._wake.set()
 
     def accumulated(self) -> None:
-        """A backward just landed here. If the stage now holds a batch by the last reading,
-        check at once instead of at the next tick: a step that waits for the tick takes in
-        extra samples (fewer, larger steps than the schedule assumes)."""
+        """A backward just landed here. If the stage now holds a batch by what this worker
+        knows, check at once instead of at the next tick: a step that waits for the tick takes
+        in extra samples (fewer, larger steps than the schedule assumes)."""
         _step, samples = self._local()
         if samples + self._others >= self._target or self._idle:
             self._wake.set()  # the stage holds a batch, or this worker waits as an idle one
 
-    async def _quiet_poke(self, address: str) -> None:
+    async def _quiet_poke(self, address: str, step: int, samples: int) -> None:
         try:
-            await self._poke(address)
-        except (RpcError, TimeoutError) as exc:  # a hint only: the peer's tick still comes
+            await self._poke(address, step, samples)
+        except (RpcError, TimeoutError) as exc:  # a hint only: the peer's DHT read still comes
             log.debug("progress_poke_failed", address=address, error=str(exc))
 
+    def push(self, *, force: bool = False) -> None:
+        """Send this worker's counts to its peers if they changed and a tick has passed since
+        the last push (``force``: now, after a step). A peer still answering the last one is
+        skipped: it hears the counts on the next change."""
+        counts = self._local()
+        now = world.monotonic()
+        if (
+            self._poke is None
+            or counts == self._sent
+            or (not force and now - self._sent_at < self._interval_s)
+        ):
+            return
+        self._sent, self._sent_at = counts, now
+        self.pushes_sent += 1
+        for address in self._peer_addresses:
+            if address in self._pokes:
+                continue
+            task = asyncio.get_running_loop().create_task(self._quiet_poke(address, *counts))
+            self._pokes[address] = task
+            task.add_done_callback(lambda _t, a=address: self._pokes.pop(a, None))
+
     async def publish(self) -> None:
-        """Store this worker's report unless the stored one says the same and is still fresh."""
+        """Store this worker's report when it changed and a DHT interval has passed, or when
+        its refresh is due."""
         step, samples = self._local()
         address = self._address()
-        now = world.monotonic()
-        if self._published == (step, samples, address) and now - self._published_at < self._refresh_s:
+        since = world.monotonic() - self._published_at
+        if since < self._dht_s or (self._published == (step, samples, address) and since < self._refresh_s):
             return
         report = StageProgress(node_id=self._key.node_id, step=step, samples=samples, address=address)
         await self._entry.publish(report.to_value(), self._ttl_s)
-        self._published, self._published_at = (step, samples, address), now
+        self._published, self._published_at = (step, samples, address), world.monotonic()
         self.publishes += 1
 
     async def read(self) -> list[StageProgress]:
@@ -142,28 +207,37 @@ class StageProgressTracker:
         live = self._dht.live_ids()
         return [r for r in reports if r.node_id in live]
 
+    async def _refresh(self) -> None:
+        """Store this worker's report and read the stage's, each when due (both in one round
+        trip: decide() takes this worker's own counts from local(), not from the read). A
+        push from an unknown peer brings the read forward, to at most one a tick."""
+        since = world.monotonic() - self._read_at
+        if since < self._dht_s and not (self._read_early and since >= self._interval_s):
+            await self.publish()
+            return
+        _, reports = await asyncio.gather(self.publish(), self.read())
+        self._read_at = self.last_ok = world.monotonic()
+        self._read_early = False
+        self._reports = [r for r in reports if r.node_id != self._key.node_id]
+        self._peer_addresses = [r.address for r in self._reports if r.address]
+        live = {r.node_id for r in self._reports}
+        self._pushes = {node: counts for node, counts in self._pushes.items() if node in live}
+
     async def run(self) -> None:
-        """Publish, read, decide, every ``interval_s``, until cancelled."""
+        """Refresh, push, decide, every ``interval_s`` or when woken, until cancelled."""
         while True:
             try:
-                # decide() takes this worker's own counts from local(), so the read need not
-                # wait for the publish: both in one round trip
-                _, reports = await asyncio.gather(self.publish(), self.read())
-                self.last_ok = world.monotonic()
-                if self.decide(reports):
+                await self._refresh()
+                self.push()
+                if self.decide(self.known()):
                     await self._take_step()
-                    await self.publish()  # tell the others at once: they may be waiting on it
-                    if self._poke is not None:  # samples they take before looking miss the step
-                        for address in self._peer_addresses:
-                            task = asyncio.get_running_loop().create_task(self._quiet_poke(address))
-                            self._pokes.add(task)
-                            task.add_done_callback(self._pokes.discard)
+                    self.push(force=True)  # tell the others at once: they may be waiting on it
                     continue
             except (DhtError, RpcError) as exc:
                 log.warning("progress_unavailable", error=str(exc))
             self._idle = self._local()[1] == 0
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._idle_s if self._idle else self._interval_s):
+                async with asyncio.timeout(self._dht_s if self._idle else self._interval_s):
                     await self._wake.wait()
             self._wake.clear()
             self._idle = False

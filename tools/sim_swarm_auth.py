@@ -205,3 +205,13 @@ class SwarmAuthority:
             "credential_refreshes": sum(k.refreshes for k in keepers),
             "credentials_lost": sum(1 for n in nodes if n.admission.lost is not None),
         }
+
+    @staticmethod
+    def credentials_settled(nodes: list) -> bool:
+        """Whether no node's credential is in its refresh window still unrenewed: each one
+        refreshed since (its next window is ahead), or was lost (its node exits, as it
+        should). A fault that covered a refresh window shows only later: the refresh that
+        follows may still fail, and the credential run out, after the network healed."""
+        now = world.wall()
+        keepers = [n.admission.keeper for n in nodes if n.admission.keeper is not None]
+        return all(k.lost is not None or now < k.current.credential.refresh_at for k in keepers)

@@ -47,6 +47,7 @@ ROUND_LIMIT_S = 600.0  # and the replicas to finish the last averaging round
 FINAL_ROUND = 1_000_000  # the checking rounds' first index: past any the run reached
 FINAL_ATTEMPTS = 3  # rounds tried until one has no optimizer step during it
 RESTART_TRIES = 5  # restart periods waited for the crashed trainers to be back
+CREDENTIAL_WAIT_S, CREDENTIAL_TRIES = 5.0, 12  # for the credentials to be refreshed or lost
 AGREE_TOLERANCE = 1e-5  # theta + (mean - theta) in float32: equal to rounding, scaled by |theta|
 
 
@@ -176,6 +177,14 @@ def check_settled(swarm: _Swarm) -> tuple[list[str], dict]:
         if not swarm.trainer_set.down:
             break
         sim.run_for(scenario.trainer_restart_s)
+    # an authorized run: a refresh window a fault covered may still end in a lost credential
+    # (the node exits, as it should); let that happen before the checking rounds, not in them
+    running = [swarm.workers[i] for i in swarm.live()]
+    running += [t for i, t in enumerate(swarm.trainers) if i not in swarm.trainer_set.down]
+    for _ in range(CREDENTIAL_TRIES):
+        if swarm.nodes.credentials_settled(running):
+            break
+        sim.run_for(CREDENTIAL_WAIT_S)
     for trainer in swarm.trainers:
         trainer.request_stop()
     violations: list[str] = []
@@ -237,9 +246,14 @@ def _check_agreement(swarm: _Swarm, seen: dict) -> list[str]:
     groups = {}
     for stage in range(swarm.scenario.stages):
         # the stage's replicas: state in place (a joiner still downloading, or still in an
-        # authorized run's queue, holds none yet, and may yet be refused and exit)
+        # authorized run's queue, holds none yet, and may yet be refused and exit), and a
+        # credential (one that lost it is on its way out: the others no longer talk to it)
         members = [
-            i for i in swarm.live(stage) if swarm.workers[i].ready and swarm.workers[i].phases.phase.averages
+            i
+            for i in swarm.live(stage)
+            if swarm.workers[i].ready
+            and swarm.workers[i].phases.phase.averages
+            and swarm.workers[i].admission.valid
         ]
         if len(members) >= 2:
             groups[stage] = members

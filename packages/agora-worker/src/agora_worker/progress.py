@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from agora_core import world
 from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import REFRESHES_PER_TTL, OwnedEntry, check_refresh
-from agora_core.errors import RpcError
+from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.logs import get_logger
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
@@ -152,6 +152,22 @@ class StageProgressTracker:
         else:
             self._read_early = True
         self._wake.set()
+
+    def on_poke(self, meta: object, sender: str) -> None:
+        """A ``progress.poke``: with ints ``step`` and ``samples``, a peer's push, from
+        ``sender`` (authenticated in an authorized run; an open run's callers only declare who
+        they are, as ``node``); without either, a request to look now. BadRequest otherwise."""
+        meta = meta if isinstance(meta, dict) else {}
+        step, samples = meta.get("step"), meta.get("samples")
+        if step is None and samples is None:
+            self.poked()
+            return
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, samples)):
+            raise BadRequest("progress.poke needs ints step >= 0 and samples >= 0")
+        sender = sender or meta.get("node")
+        if not isinstance(sender, str) or not sender:
+            raise BadRequest("progress.poke with counts needs the sender's node id ('node')")
+        self.pushed(sender, step, samples)
 
     def accumulated(self) -> None:
         """A backward just landed here. If the stage now holds a batch by what this worker

@@ -372,18 +372,7 @@ class Worker:
 
     def _on_poke(self, request: Request) -> Payload:
         """A worker of this stage pushed its (step, samples), or only asks this one to look."""
-        meta = request.meta if isinstance(request.meta, dict) else {}
-        step, samples = meta.get("step"), meta.get("samples")
-        if step is None and samples is None:
-            self.progress.poked()
-            return Payload()
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, samples)):
-            raise BadRequest("progress.poke needs ints step >= 0 and samples >= 0")
-        # authenticated in an authorized run; an open run's callers only declare who they are
-        sender = request.sender or meta.get("node")
-        if not isinstance(sender, str) or not sender:
-            raise BadRequest("progress.poke with counts needs the sender's node id ('node')")
-        self.progress.pushed(sender, step, samples)
+        self.progress.on_poke(request.meta, request.sender)
         return Payload()
 
     async def _on_start_round(self, request: Request) -> Payload:

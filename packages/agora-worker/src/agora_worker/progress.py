@@ -82,7 +82,7 @@ class StageProgressTracker:
         self._pushes: dict[str, tuple[int, int, float]] = {}  # peer -> (step, samples, when received)
         self._sent: tuple[int, int] | None = None  # the counts this worker last pushed
         self._sent_at = -float("inf")
-        self.pushes_sent = 0
+        self.pushes_sent = 0  # pushes of changed counts (each to every free peer)
         self._idle = False  # waiting out an idle tick: no samples toward the step
         self._local = local
         self._take_step = take_step
@@ -97,17 +97,14 @@ class StageProgressTracker:
         self._others = 0  # the other workers' samples at this worker's step, as last known
         self._wake = asyncio.Event()
 
-    def decide(self, reports: list[StageProgress]) -> bool:
-        """Whether to step now, given the peers' reports (this worker's own is ignored)."""
+    def decide(self, peers: list[StageProgress]) -> bool:
+        """Whether to step now, given the peers' reports (:meth:`known`)."""
         step, samples = self._local()
-        # Its own report is ignored: local() is the truth, and a restarted worker with the same
-        # key may still read its previous life's report.
-        others = [r for r in reports if r.node_id != self._key.node_id]
-        at_step = [r for r in others if r.step == step]
+        at_step = [r for r in peers if r.step == step]
         self.peers = len(at_step)
         self._others = sum(r.samples for r in at_step)
         self.stage_samples = samples + self._others
-        self.stage_step = max([step, *(r.step for r in others)])
+        self.stage_step = max([step, *(r.step for r in peers)])
         behind = self.stage_step > step
         return behind or (samples > 0 and self.stage_samples >= self._target)
 
@@ -185,8 +182,8 @@ class StageProgressTracker:
 
     def push(self, *, force: bool = False) -> None:
         """Send this worker's counts to its peers if they changed and a tick has passed since
-        the last push (``force``: now, after a step). A peer still answering the last one is
-        skipped: it hears the counts on the next change."""
+        the last push (``force``: now, after a step). A peer still answering the last push is
+        skipped; with none free, the next tick tries again."""
         counts = self._local()
         now = world.monotonic()
         if (
@@ -195,11 +192,12 @@ class StageProgressTracker:
             or (not force and now - self._sent_at < self._interval_s)
         ):
             return
+        free = [a for a in self._peer_addresses if a not in self._pokes]
+        if not free:
+            return
         self._sent, self._sent_at = counts, now
         self.pushes_sent += 1
-        for address in self._peer_addresses:
-            if address in self._pokes:
-                continue
+        for address in free:
             task = asyncio.get_running_loop().create_task(self._quiet_poke(address, *counts))
             self._pokes[address] = task
             task.add_done_callback(lambda _t, a=address: self._pokes.pop(a, None))
@@ -234,6 +232,8 @@ class StageProgressTracker:
         _, reports = await asyncio.gather(self.publish(), self.read())
         self._read_at = self.last_ok = world.monotonic()
         self._read_early = False
+        # Its own report is left out: local() is the truth, and a restarted worker with the
+        # same key may still read its previous life's report.
         self._reports = [r for r in reports if r.node_id != self._key.node_id]
         self._peer_addresses = [r.address for r in self._reports if r.address]
         live = {r.node_id for r in self._reports}

@@ -30,14 +30,23 @@ class DhtMetrics:
         )
         self.recent_ops: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
         self.ops_done = 0
+        # (op, outcome) -> its counter and histogram children, each looked up once: .labels()
+        # takes a lock and walks the label values on every call, and every get and store counts
+        self._children: dict[tuple[str, str], tuple] = {}
 
     def rejected(self, reason: str) -> None:
         self.claims_rejected.labels(reason=reason).inc()
 
     def observe(self, op: str, outcome: str, started: float) -> None:
         seconds = time.perf_counter() - started
-        self.ops.labels(op=op, outcome=outcome).inc()
-        self.op_seconds.labels(op=op).observe(seconds)
+        children = self._children.get((op, outcome))
+        if children is None:
+            children = self._children[op, outcome] = (
+                self.ops.labels(op=op, outcome=outcome),
+                self.op_seconds.labels(op=op),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
         self.recent_ops.append((op, seconds))
         self.ops_done += 1
 

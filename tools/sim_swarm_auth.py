@@ -199,7 +199,7 @@ class SwarmAuthority:
 
     def summary(self, nodes: list) -> dict:
         """Admission figures: nodes holding a valid credential now, refreshes, losses."""
-        keepers = [n.admission.keeper for n in nodes if n.admission.keeper is not None]
+        keepers = _keepers(nodes)
         return {
             "credentialed": sum(1 for n in nodes if n.admission.valid),
             "credential_refreshes": sum(k.refreshes for k in keepers),
@@ -213,5 +213,9 @@ class SwarmAuthority:
         should). A fault that covered a refresh window shows only later: the refresh that
         follows may still fail, and the credential run out, after the network healed."""
         now = world.wall()
-        keepers = [n.admission.keeper for n in nodes if n.admission.keeper is not None]
-        return all(k.lost is not None or now < k.current.credential.refresh_at for k in keepers)
+        return all(k.lost is not None or now < k.current.credential.refresh_at for k in _keepers(nodes))
+
+
+def _keepers(nodes: list) -> list:
+    """The credential keepers of ``nodes`` that were admitted (a queued node has none yet)."""
+    return [n.admission.keeper for n in nodes if n.admission.keeper is not None]

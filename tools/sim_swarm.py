@@ -220,6 +220,7 @@ class _Swarm:
                 for stage in order[first : first + self.scenario.start_batch]
             ]
             self.sim.run(group[0] if len(group) == 1 else asyncio.gather(*group))
+            self.sim.freeze_heap()  # the workers stay: later collections need not walk them
 
     async def _start(self, node, host) -> None:
         with host.active():
@@ -235,6 +236,7 @@ class _Swarm:
                 group.append((node, host))
                 self.members.append(dht)
             self.sim.run(asyncio.gather(*(self._start(node, host) for node, host in group)))
+            self.sim.freeze_heap()
 
     @property
     def trainers(self) -> list[Trainer]:
@@ -300,6 +302,7 @@ def run_swarm_scenario(
             swarm.trainer_set.start(shards)
             phase(f"{len(swarm.trainers)} trainers up")
             settled_s = swarm.settle(scenario.settle_gossip_s)
+            sim.freeze_heap()
             if scenario.settle_gossip_s:
                 phase("the joins' gossip " + ("settled" if settled_s is not None else "still circulating"))
             startup_real_s = time.perf_counter() - real_started

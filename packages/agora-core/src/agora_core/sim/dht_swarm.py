@@ -136,6 +136,7 @@ class SimDhtSwarm:
             group = [self.new_member() for _ in range(size)]
             self.sim.run(asyncio.gather(*(self.join(n) for n in group)))
             added.extend(group)
+            self.sim.freeze_heap()  # the members stay: later collections need not walk them
         return added
 
     def kill(self, node: DhtNode) -> None:

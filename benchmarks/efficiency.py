@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Efficiency benchmark: the cost of decentralization, swarm vs centralized, same machine.
 
-    python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--idle-seconds 20] [--json]
+    python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--rounds 3] [--idle-seconds 20] [--json]
 
 The tiny example model (examples/tiny.toml) trained over the same samples, in the same order:
   * centralized: ``tools/reference_train.py`` (every stage in one process, batches of
@@ -11,6 +11,9 @@ The tiny example model (examples/tiny.toml) trained over the same samples, in th
 Figures: swarm samples/s / centralized samples/s (target >= 0.5), the loss ratio over the last
 quarter of the samples, 3 replicas vs 2 (target >= 0.9x: a replica adds capacity, not cost),
 and what an idle swarm burns: cores used by all its processes together with no trainer.
+Each round runs the centralized baseline and then every swarm, in turn; a ratio is taken
+within its round and the figure is the median over the rounds (values: the medians of the
+rates), so a noisy minute on a shared machine moves one round, not the figure.
 
 The bound on this machine: a worker keeps nothing between a sample's forward and its backward,
 so its backward recomputes the forward. A sample costs a swarm 2 forwards + 1 backward (about
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 from _churn_swarm import DrivenSwarm, ensure_shards  # benchmarks/ is on sys.path as a script
 from _report import Report
@@ -112,6 +116,9 @@ def main() -> None:
         "--replicas", type=int, nargs="+", default=[2, 3], help="workers per stage, per swarm run"
     )
     parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of every run; figures are medians over them"
+    )
+    parser.add_argument(
         "--idle-seconds", type=float, default=20.0, help="idle window (0: skip the idle figure)"
     )
     parser.add_argument("--json", action="store_true")
@@ -121,21 +128,45 @@ def main() -> None:
     ensure_shards(shards, str(CONFIG), args.samples)
     with tempfile.TemporaryDirectory(prefix="agora-efficiency-") as tmp:
         folder = Path(tmp)
-        rate, loss = centralized(shards, args.samples, folder, report.note)
+        central: list[tuple[float, float]] = []  # (samples/s, tail loss) per round
+        swarms: dict[int, list[tuple[float, float]]] = {r: [] for r in args.replicas}
+        for index in range(args.rounds):
+            report.note(f"round {index + 1} of {args.rounds}")
+            here = folder / f"round-{index}"
+            here.mkdir()
+            central.append(centralized(shards, args.samples, here, report.note))
+            for replicas in args.replicas:
+                swarms[replicas].append(swarm(shards, args.samples, replicas, here, report.note))
+            rates = ", ".join(f"r{r} {swarms[r][-1][0]:.1f}" for r in args.replicas)
+            report.note(f"round {index + 1}: centralized {central[-1][0]:.1f}, {rates} samples/s")
+        rate = median([c[0] for c in central])
         report.add("centralized_samples_per_s", rate, "samples/s")
-        rates = {}
         for replicas in args.replicas:
-            rates[replicas], swarm_loss = swarm(shards, args.samples, replicas, folder, report.note)
-            report.compare(
+            runs = swarms[replicas]
+            report.add(
                 f"swarm_r{replicas}_vs_centralized_samples_per_s",
-                rates[replicas],
-                rate,
+                median([r[0] for r in runs]),
                 "samples/s",
+                baseline=rate,
+                ratio=median([r[0] / c[0] for r, c in zip(runs, central, strict=True)]),
                 target=">= 0.5" if replicas == 2 else None,
             )
-            report.compare(f"swarm_r{replicas}_vs_centralized_tail_loss", swarm_loss, loss, "nats/token")
-        if 2 in rates and 3 in rates:
-            report.compare("swarm_r3_vs_r2_samples_per_s", rates[3], rates[2], "samples/s", target=">= 0.9")
+            report.add(
+                f"swarm_r{replicas}_vs_centralized_tail_loss",
+                median([r[1] for r in runs]),
+                "nats/token",
+                baseline=median([c[1] for c in central]),
+                ratio=median([r[1] / c[1] for r, c in zip(runs, central, strict=True)]),
+            )
+        if 2 in swarms and 3 in swarms:
+            report.add(
+                "swarm_r3_vs_r2_samples_per_s",
+                median([r[0] for r in swarms[3]]),
+                "samples/s",
+                baseline=median([r[0] for r in swarms[2]]),
+                ratio=median([r3[0] / r2[0] for r3, r2 in zip(swarms[3], swarms[2], strict=True)]),
+                target=">= 0.9",
+            )
         if args.idle_seconds > 0:
             used = idle_cores(shards, 2, args.idle_seconds, folder, report.note)
             for role, cores in sorted(used.items()):

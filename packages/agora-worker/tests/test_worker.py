@@ -133,11 +133,13 @@ async def test_two_workers_of_a_stage_step_together_when_their_count_reaches_the
                 {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
             )
 
+    await wait_until_async(
+        lambda: len(a.progress.known()) == 1 and len(b.progress.known()) == 1, what="each to know the other"
+    )
+    collector = min((a, b), key=lambda w: w.key.node_id)  # the counts go to the lower node id
     await train(a, 5, 0)
     await train(b, 2, 100)  # 7 of 8: nobody steps yet
-    await wait_until_async(
-        lambda: a.progress.stage_samples == 7 and b.progress.stage_samples == 7, what="both to see 7 samples"
-    )
+    await wait_until_async(lambda: collector.progress.stage_samples == 7, what="the collector to see 7")
     assert a.optimizer.step == b.optimizer.step == 0
     await train(b, 1, 200)  # the 8th sample: the stage holds a batch
     await wait_until_async(
@@ -147,7 +149,7 @@ async def test_two_workers_of_a_stage_step_together_when_their_count_reaches_the
     assert a.last_step.applied and b.last_step.applied
 
 
-async def test_a_peer_learns_each_count_from_pushes_while_the_report_is_stored_at_most_once_a_second(
+async def test_the_collector_learns_each_count_from_pushes_while_reports_are_stored_at_most_once_a_second(
     workers, client
 ):
     run = dataclasses.replace(SURROGATE, optimizer=OptimizerConfig(target_batch_size=64))  # no step here
@@ -155,24 +157,30 @@ async def test_a_peer_learns_each_count_from_pushes_while_the_report_is_stored_a
     await wait_until_async(
         lambda: len(a.progress.known()) == 1 and len(b.progress.known()) == 1, what="each to know the other"
     )
+    collector, sender = sorted((a, b), key=lambda w: w.key.node_id)
+    assert sender.progress.collector() == collector.address and collector.progress.collector() is None
     boundary = np.zeros((1, 8, MODEL.subspace_rank), dtype=np.float32)
-    stored, since = a.progress.publishes, time.monotonic()
+    stored, since = sender.progress.publishes, time.monotonic()
     samples = 12
     for i in range(samples):
         tokens, _ = sample(seed=i)
-        await client.call(
-            a.address,
-            "backward",
-            {"stage": 1},
-            {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
-        )
+        for worker in (sender, collector):  # each holds i + 1: the collector counts 2 (i + 1)
+            await client.call(
+                worker.address,
+                "backward",
+                {"stage": 1},
+                {"tokens": tokens, "boundary": boundary, "grad": boundary + 1},
+            )
+        held = 2 * (i + 1)
         await wait_until_async(
-            lambda n=i + 1: b.progress.stage_samples == n, what=f"b to see {i + 1} samples"
+            lambda n=held: collector.progress.stage_samples == n, what=f"the collector to see {held}"
         )
-    stores = a.progress.publishes - stored
-    # b saw every one of the 12 counts, which a stored at most once a second: pushes carried them
+    stores = sender.progress.publishes - stored
+    # the collector saw each of the 12 counts, which the sender stored at most once a second:
+    # pushes carried them; the collector pushed none of its own (nobody decides on them)
     assert stores <= (time.monotonic() - since) / 1.0 + 1
-    assert stores < samples and a.progress.pushes_sent >= samples - stores
+    assert stores < samples and sender.progress.pushes_sent >= samples - stores
+    assert collector.progress.pushes_sent == 0
 
 
 async def test_a_bad_or_unknown_progress_push_is_refused_or_ignored_and_the_worker_keeps_counting(

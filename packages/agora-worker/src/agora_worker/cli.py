@@ -187,7 +187,7 @@ def _print_started(worker: Worker, address: str, exposure: MetricsExposure) -> N
     "--progress-interval",
     "progress_interval_s",
     type=float,
-    help="Seconds between stage-progress checks (and pushes of changed counts to peers).",
+    help="Seconds between stage-progress checks (counts go to the collector as they change).",
 )
 @click.option("--announce-interval", "announce_interval_s", type=float, help="Seconds between announcements.")
 @click.option(

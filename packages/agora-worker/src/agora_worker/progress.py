@@ -11,13 +11,23 @@ Two channels carry the counts. The DHT report is the record: signed, read by joi
 status tools, and the only way a worker learns who its peers are and where they listen. A
 worker stores it when it changed and a second has passed (``DHT_INTERVAL_S``), or when its
 refresh (a third of the report's lifetime) is due, and reads the stage's reports once a
-second. Between those, a worker pushes its (step, samples) straight to the peers it knows
-(``progress.poke`` with the counts), at most once per ``interval_s`` while they change and at
-once after a step. A push is counted only for a peer the signed reports show, and only
-while it is newer than that peer's report and younger than a report refresh; a lost push
-costs at most a second's lateness until the next DHT read. The main job's workers step every
+second. Between those, pushes (``progress.poke`` with the counts) carry the news straight to
+the peers: each worker sends its (step, samples) as they change (one push in flight, the
+newest counts owed until it is answered) to the stage's collector, the live worker with the lowest node id (by the signed
+reports; the collector itself sends none); the worker whose count completed the batch,
+usually the collector, sends its new step to every peer at once. A push is counted only for
+a peer the signed reports show, and only while it is newer than that peer's report and
+younger than a report refresh; a lost push, or a collector that died, costs at most a
+second's lateness until the next DHT read (reports only ever understate a count within a
+step, so a stale one makes a step late, never early). The main job's workers step every
 fraction of a second: a store and a quorum read every 0.1 s tick for each of them were half
-of what their event loops did, where one message to each peer carries the same news.
+of what their event loops did, where one message carries the same news.
+
+Only news is pushed, and only to who decides: each of R workers pushing every count to every
+peer, and every worker its step, cost R x (R - 1) pushes per count and per step, the third
+replica tripling the second's traffic for nothing. With a collector a count costs one push
+and a step R - 1. A peer still answering the last push is owed the newest counts, sent when
+it answers (one push in flight per peer).
 """
 
 from __future__ import annotations
@@ -81,8 +91,7 @@ class StageProgressTracker:
         self._read_early = False  # a push came from a worker the last read did not show
         self._pushes: dict[str, tuple[int, int, float]] = {}  # peer -> (step, samples, when received)
         self._sent: tuple[int, int] | None = None  # the counts this worker last pushed
-        self._sent_at = -float("inf")
-        self.pushes_sent = 0  # pushes of changed counts (each to every free peer)
+        self.pushes_sent = 0  # pushes of changed counts (to the collector, or a step to every peer)
         self._idle = False  # waiting out an idle tick: no samples toward the step
         self._local = local
         self._take_step = take_step
@@ -90,11 +99,13 @@ class StageProgressTracker:
         self._poke = poke
         self._peer_addresses: list[str] = []
         self._pokes: dict[str, asyncio.Task] = {}  # one push in flight per peer, held so the loop keeps it
+        self._owed: set[str] = set()  # peers that were busy when counts were due: sent on their answer
         self.stage_samples = 0  # what the stage holds toward this worker's current step
         self.stage_step = 0  # the furthest of this worker's step and the others' reported ones
         self.last_ok = world.monotonic()  # when a read (with its due publish) last succeeded
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last known
+        self.behind = False  # the last decision: a peer is past this worker's step
         self._wake = asyncio.Event()
 
     def decide(self, peers: list[StageProgress]) -> bool:
@@ -105,8 +116,9 @@ class StageProgressTracker:
         self._others = sum(r.samples for r in at_step)
         self.stage_samples = samples + self._others
         self.stage_step = max([step, *(r.step for r in peers)])
-        behind = self.stage_step > step
-        return behind or (samples > 0 and self.stage_samples >= self._target)
+        self.behind = self.stage_step > step
+        # with no samples of its own too: the collector may hold only its peers' counts
+        return self.behind or self.stage_samples >= self._target
 
     def known(self) -> list[StageProgress]:
         """The peers' reports as this worker knows them: each signed report, raised to the
@@ -169,10 +181,12 @@ class StageProgressTracker:
     def accumulated(self) -> None:
         """A backward just landed here. If the stage now holds a batch by what this worker
         knows, check at once instead of at the next tick: a step that waits for the tick takes
-        in extra samples (fewer, larger steps than the schedule assumes)."""
+        in extra samples (fewer, larger steps than the schedule assumes). The new count goes to
+        the collector at once: it may be the batch's last."""
         _step, samples = self._local()
         if samples + self._others >= self._target or self._idle:
             self._wake.set()  # the stage holds a batch, or this worker waits as an idle one
+        self.push()
 
     async def _quiet_poke(self, address: str, step: int, samples: int) -> None:
         try:
@@ -180,27 +194,47 @@ class StageProgressTracker:
         except (RpcError, TimeoutError) as exc:  # a hint only: the peer's DHT read still comes
             log.debug("progress_poke_failed", address=address, error=str(exc))
 
+    def collector(self) -> str | None:
+        """The address this worker's counts go to: the live peer with the lowest node id, if
+        that is lower than this worker's (None: this worker collects, or knows no peer)."""
+        lowest = min(self._reports, key=lambda r: r.node_id, default=None)
+        if lowest is None or lowest.node_id > self._key.node_id or not lowest.address:
+            return None
+        return lowest.address
+
     def push(self, *, force: bool = False) -> None:
-        """Send this worker's counts to its peers if they changed and a tick has passed since
-        the last push (``force``: now, after a step). A peer still answering the last push is
-        skipped; with none free, the next tick tries again."""
+        """Send this worker's counts to the collector if they changed and hold samples;
+        ``force`` (a step this worker completed): its new step to every peer. A peer still
+        answering the last push is owed these counts: they go when it answers, so pushes are
+        paced by the peer's answers, not by a timer that would make the batch's last count late."""
         counts = self._local()
-        now = world.monotonic()
-        if (
-            self._poke is None
-            or counts == self._sent
-            or (not force and now - self._sent_at < self._interval_s)
-        ):
+        if self._poke is None or counts == self._sent or (not force and counts[1] == 0):
             return
-        free = [a for a in self._peer_addresses if a not in self._pokes]
-        if not free:
+        collector = None if force else self.collector()
+        recipients = self._peer_addresses if force else [collector] if collector else []
+        if not recipients:
             return
-        self._sent, self._sent_at = counts, now
+        self._sent = counts
         self.pushes_sent += 1
-        for address in free:
-            task = asyncio.get_running_loop().create_task(self._quiet_poke(address, *counts))
-            self._pokes[address] = task
-            task.add_done_callback(lambda _t, a=address: self._pokes.pop(a, None))
+        for address in recipients:
+            if address in self._pokes:
+                self._owed.add(address)
+            else:
+                self._send(address, counts)
+
+    def _send(self, address: str, counts: tuple[int, int]) -> None:
+        task = asyncio.get_running_loop().create_task(self._quiet_poke(address, *counts))
+        self._pokes[address] = task
+        task.add_done_callback(lambda done, a=address: self._answered(a, done))
+
+    def _answered(self, address: str, done: asyncio.Task) -> None:
+        """A push to ``address`` finished: send what it is owed (the counts last pushed),
+        unless the push was cancelled (the worker is stopping)."""
+        self._pokes.pop(address, None)
+        owed = address in self._owed
+        self._owed.discard(address)
+        if owed and not done.cancelled() and self._sent is not None and address in self._peer_addresses:
+            self._send(address, self._sent)
 
     async def publish(self) -> None:
         """Store this worker's report when it changed and a DHT interval has passed, or when
@@ -246,8 +280,10 @@ class StageProgressTracker:
                 await self._refresh()
                 self.push()
                 if self.decide(self.known()):
+                    completed = not self.behind
                     await self._take_step()
-                    self.push(force=True)  # tell the others at once: they may be waiting on it
+                    if completed:
+                        self.push(force=True)  # tell the others at once: they may be waiting on it
                     continue
             except (DhtError, RpcError) as exc:
                 log.warning("progress_unavailable", error=str(exc))

@@ -21,7 +21,7 @@ class WorkerSettings:
     # after warm-up microbatches (agora_worker.memory); on a CPU, CPU_BATCH_SAMPLES.
     max_batch_samples: int | None = None
     max_batch_tokens: int | None = None  # default: max_batch_samples * seq_len
-    # how often a busy worker pushes its changed counts to its peers and decides
+    # how often a busy worker decides between the wake-ups of landed backwards and pushes
     progress_interval_s: float = 1.0
     announce_interval_s: float = 2.0  # how often the announcement is refreshed (expiry: 3x)
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM

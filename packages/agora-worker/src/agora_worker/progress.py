@@ -13,15 +13,15 @@ worker stores it when it changed and a second has passed (``DHT_INTERVAL_S``), o
 refresh (a third of the report's lifetime) is due, and reads the stage's reports once a
 second. Between those, pushes (``progress.poke`` with the counts) carry the news straight to
 the peers: each worker sends its (step, samples) as they change (one push in flight, the
-newest counts owed until it is answered) to the stage's collector, the live worker with the lowest node id (by the signed
-reports; the collector itself sends none); the worker whose count completed the batch,
-usually the collector, sends its new step to every peer at once. A push is counted only for
-a peer the signed reports show, and only while it is newer than that peer's report and
-younger than a report refresh; a lost push, or a collector that died, costs at most a
-second's lateness until the next DHT read (reports only ever understate a count within a
-step, so a stale one makes a step late, never early). The main job's workers step every
-fraction of a second: a store and a quorum read every 0.1 s tick for each of them were half
-of what their event loops did, where one message carries the same news.
+newest counts owed until it is answered) to the stage's collector, the live worker with the
+lowest node id by the signed reports (the collector itself sends none); the worker whose
+count completed the batch, usually the collector, sends its new step to every peer at once.
+A push is counted only for a peer the signed reports show, and only while it is newer than
+that peer's report and younger than a report refresh; a lost push, or a collector that died,
+costs at most a second's lateness until the next DHT read (reports only ever understate a
+count within a step, so a stale one makes a step late, never early). The main job's workers
+step every fraction of a second: a store and a quorum read every 0.1 s tick for each of
+them were half of what their event loops did, where one message carries the same news.
 
 Only news is pushed, and only to who decides: each of R workers pushing every count to every
 peer, and every worker its step, cost R x (R - 1) pushes per count and per step, the third

@@ -92,6 +92,32 @@ def test_a_new_worker_enters_level_with_the_most_loaded_not_at_zero():
     assert counts["new"] <= 12  # it shares the work, it is not flooded with it
 
 
+def test_a_joiner_out_of_weight_sync_shares_the_work_instead_of_taking_all_of_it():
+    # It was announced (invisible) long before it could serve; meanwhile the others were
+    # charged for every sample. Level with the vruntime it had when first seen, it would take
+    # every request until it caught up: the stage's batch, which its optimizer-sync samples do
+    # not fill, would then never complete.
+    balancer = StageBalancer(1)
+    balancer.update([announce("a"), announce("b"), announce("joiner", phase="weight_sync")])
+    simulate(balancer, {"a": 0.01, "b": 0.01}, 600)
+    balancer.update([announce("a"), announce("b"), announce("joiner", phase="optimizer_sync")])
+    counts = simulate(balancer, {"a": 0.01, "b": 0.01, "joiner": 0.01}, 60)
+    assert 10 <= counts["joiner"] <= 30, counts
+
+
+def test_a_worker_back_from_a_ban_shares_the_work_instead_of_taking_all_of_it(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("agora_core.world.monotonic", lambda: now[0])  # the world's clock seam
+    balancer = StageBalancer(1, ban_s=5.0)
+    balancer.update([announce("a"), announce("b"), announce("c")])
+    simulate(balancer, {"a": 0.01, "b": 0.01, "c": 0.01}, 30)
+    balancer.fail(balancer.begin(next(w for w in balancer.workers if w.node_id == "c")))
+    simulate(balancer, {"a": 0.01, "b": 0.01}, 600)  # c sits out its ban
+    now[0] += 10.0
+    counts = simulate(balancer, {"a": 0.01, "b": 0.01, "c": 0.01}, 60)
+    assert 10 <= counts["c"] <= 30, counts
+
+
 def test_failed_workers_are_banned_and_weight_sync_workers_invisible():
     balancer = StageBalancer(1, ban_s=60)
     balancer.update([announce("a"), announce("b"), announce("syncing", phase="weight_sync")])

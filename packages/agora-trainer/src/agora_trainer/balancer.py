@@ -62,6 +62,7 @@ class _Entry:
     active: set[CallToken] = field(default_factory=set)  # this trainer's calls to it, now
     failures: int = 0
     measured: bool = False
+    away: bool = False  # invisible or banned since it was last chosen: it enters level on return
 
 
 def _never_gone(_node_id: str) -> bool:
@@ -96,6 +97,8 @@ class StageBalancer:
                 self._push(entry)
             elif (entry.ref.address, entry.ref.max_batch) != (ann.address, ann.max_batch):
                 entry.ref = self._ref(ann)  # restarted: same identity, new address or limit
+            if not ann.phase.visible_to_trainers:
+                entry.away = True
             entry.phase = ann.phase
         for node_id in [n for n in self._entries if n not in seen]:
             del self._entries[node_id]  # its heap entries go stale and are skipped
@@ -150,6 +153,9 @@ class StageBalancer:
             if not self.usable(ref.node_id, now) or ref.node_id in exclude or ref.max_batch < samples:
                 skipped.append(item)
                 continue
+            if entry.away:  # it comes into use now: level with the most-loaded, then choose again
+                self._level(entry, now)
+                continue
             chosen = entry
             break
         for item in skipped:
@@ -162,6 +168,16 @@ class StageBalancer:
         chosen.dispatched += samples
         self._push(chosen)
         return chosen.ref
+
+    def _level(self, entry: _Entry, now: float) -> None:
+        others = [
+            e.vruntime
+            for node_id, e in self._entries.items()
+            if e is not entry and not e.away and self.usable(node_id, now)
+        ]
+        entry.vruntime = max([entry.vruntime, *others])
+        entry.away = False
+        self._push(entry)
 
     def _probe(self, now: float, exclude: frozenset[str], samples: int) -> _Entry | None:
         """No worker is usable: the banned one that failed longest ago, if that was at least
@@ -214,6 +230,7 @@ class StageBalancer:
             entry.active.discard(token)
             entry.failed_at = world.monotonic()
             entry.banned_until = entry.failed_at + self.ban_s
+            entry.away = True
             entry.failures += 1
             self.bans += 1
 

@@ -1,7 +1,9 @@
 """The trained model comes out: `tools/export_model.py` assembles it from per-stage checkpoints
-(skipping a corrupt one) or from live workers over RPC, and `tools/evaluate.py` scores it on the
-shard set's validation split, exactly as a direct ComposedModel computation on the same weights does, and
-samples text from it that repeats with its seed. The tools run as the user runs them."""
+(skipping a corrupt one, and taking for each stage a checkpoint that agrees with the stage's
+replicas, not merely the newest) or from live workers over RPC, and `tools/evaluate.py` scores it
+on the shard set's validation split, exactly as a direct ComposedModel computation on the same
+weights does, and samples text from it that repeats with its seed. The tools run as the user runs
+them."""
 
 from __future__ import annotations
 
@@ -29,8 +31,19 @@ from agora_worker.model import ComposedModel, build_stage
 from agora_worker.model.export import read_model
 from agora_worker.optimizer import HostOptimizer
 from agora_worker.settings import WorkerSettings
-from agora_worker.state import StageState
+from agora_worker.state import StageState, StateSnapshot
 from agora_worker.worker import Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # not a package
+
+from export_model import (
+    WINDOW_INTERVALS,
+    checkpoint_manifests,
+    choose_checkpoint,
+    from_checkpoints,
+    stage_candidates,
+)
+from swarm_results import HELD_OUT_ALARM_RATIO, export_and_evaluate, last_training_loss
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +183,154 @@ def test_tools_report_bad_inputs_as_one_line_not_a_traceback(tmp_path, shards):
     )
     assert nothing.returncode == 2 and "no checkpoints in" in nothing.stderr
     assert "Traceback" not in nothing.stderr
+
+
+def serving(rounds: int) -> dict:
+    return {"phase": "serving", "serving_rounds": rounds}
+
+
+def trained_snapshot(stage: int) -> StateSnapshot:
+    """A stage's state after one step on random gradients: weights and AdamW moments."""
+    module = build_stage(RUN, stage)
+    optimizer = HostOptimizer(module, RUN.optimizer, clip_threshold=1.0)
+    generator = torch.Generator().manual_seed(stage)
+    for p in optimizer.compute:
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.accumulate(1)
+    optimizer.apply()
+    return StageState(module, optimizer).capture()
+
+
+def write_replica(
+    root: Path,
+    worker: str,
+    base: StateSnapshot,
+    *,
+    stage: int,
+    step: int,
+    standing: dict | None,
+    scale: float = 1.0,
+) -> dict[str, np.ndarray]:
+    """A checkpoint of one replica of ``stage``: ``base``'s weights times ``scale`` (far from the
+    others unless 1) plus noise of its own, as replicas that average differ a little; its weights."""
+    rng = np.random.default_rng([stage, step, *worker.encode()])
+    tensors = {
+        name: (array * scale + 1e-3 * rng.standard_normal(array.shape)).astype(np.float32)
+        if name.startswith("param/")
+        else array
+        for name, array in base.tensors.items()
+    }
+    store = CheckpointStore(root / worker, run=RUN, stage=stage, keep=2)
+    store.save(StateSnapshot(step, tensors), standing=standing)
+    return {n.removeprefix("param/"): a for n, a in tensors.items() if n.startswith("param/")}
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(a[n].tobytes() == b[n].tobytes() for n in a)
+
+
+def test_export_takes_a_replica_that_agrees_not_a_wrecked_or_unserving_newest(tmp_path):
+    root = tmp_path / "checkpoints"
+    bases = [trained_snapshot(s) for s in range(RUN.model.n_stages)]
+    head = [
+        write_replica(root, f"worker-{w}", bases[0], stage=0, step=10 + w, standing=serving(4))
+        for w in range(3)
+    ]
+    # stage 1: the newest was written by a worker still catching up, in optimizer_sync
+    body = [
+        write_replica(root, f"worker-{3 + w}", bases[1], stage=1, step=10 + w, standing=serving(3))
+        for w in range(2)
+    ]
+    syncing = {"phase": "optimizer_sync", "serving_rounds": 0}
+    write_replica(root, "worker-5", bases[1], stage=1, step=12, standing=syncing, scale=1.5)
+    # the tail: the newest replica, serving, was wrecked by a bad step just before it stopped
+    tail = [
+        write_replica(root, f"worker-{6 + w}", bases[2], stage=2, step=10 + w, standing=serving(6))
+        for w in range(2)
+    ]
+    write_replica(root, "worker-8", bases[2], stage=2, step=12, standing=serving(6), scale=8.0)
+    model = tmp_path / "model.safetensors"
+    export = tool("export_model.py", "--from-checkpoints", str(root), "--out", str(model))
+    assert export.returncode == 0, export.stdout + export.stderr
+    exported = read_model(model)
+    assert exported.steps[1] == 11 and same(exported.weights[1], body[1])
+    assert any(same(exported.weights[2], t) for t in tail) and exported.steps[2] in (10, 11)
+    assert any(same(exported.weights[0], h) for h in head)
+    lines = {line.split(":")[0]: line for line in export.stdout.splitlines() if line.startswith("stage ")}
+    assert "closest to the median of 3 replicas" in lines["stage 0"]
+    assert "the newer of 2 replicas" in lines["stage 1"] and "cannot be judged" in lines["stage 1"]
+    assert "worker-5 step 12 skipped: written in optimizer_sync, not serving" in lines["stage 1"]
+    assert "(serving 6 rounds; closest to the median of 3 replicas" in lines["stage 2"]
+    assert "worker-8 step 12 is" in lines["stage 2"] and "WARNING" not in export.stdout
+
+
+def test_a_stage_with_only_unserving_checkpoints_is_exported_with_a_warning(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    bases = [trained_snapshot(s) for s in range(RUN.model.n_stages)]
+    for stage in (0, 2):
+        write_replica(root, f"worker-{stage}", bases[stage], stage=stage, step=20, standing=serving(2))
+    downloading = {"phase": "downloading", "serving_rounds": 0}
+    write_replica(root, "worker-1a", bases[1], stage=1, step=19, standing=serving(0))
+    newest = write_replica(root, "worker-1b", bases[1], stage=1, step=20, standing=downloading)
+    model = from_checkpoints([root], RUN)
+    assert model.steps == [20, 20, 20] and same(model.weights[1], newest)
+    printed = capsys.readouterr().out
+    [warning] = [line for line in printed.splitlines() if "WARNING" in line]
+    assert warning.startswith("WARNING: stage 1: no trustworthy checkpoint; took step 20 from")
+    assert "(written in downloading, not serving)" in warning
+    assert "worker-1a step 19 skipped: written before its first averaging round while serving" in warning
+    assert "stage 0: step 20" in printed and "the only replica in the vote" in printed
+
+
+def test_the_vote_leaves_out_old_replicas_and_prefers_recorded_standings(tmp_path):
+    root = tmp_path / "checkpoints"
+    base = trained_snapshot(1)
+    window = WINDOW_INTERVALS * RUN.checkpoint.every_steps
+    write_replica(root, "worker-a", base, stage=1, step=10, standing=serving(2), scale=3.0)
+    write_replica(root, "worker-b", base, stage=1, step=10 + window + 1, standing=serving(2))
+    write_replica(root, "worker-c", base, stage=1, step=10 + window + 5, standing=None)
+    candidates = stage_candidates(checkpoint_manifests([root]), RUN, 1)
+    choice = choose_checkpoint(1, candidates, window_steps=window)
+    assert choice.trusted and choice.taken.worker == "worker-b"
+    assert "worker-a step 10 skipped: older than step" in choice.report
+    assert "worker-c step" in choice.report and "skipped: no standing recorded" in choice.report
+    # without any recorded standing, one without counts
+    legacy = [c for c in candidates if c.worker == "worker-c"]
+    assert choose_checkpoint(1, legacy, window_steps=window).trusted
+
+
+@pytest.mark.timeout(3 * TOOL_S, func_only=True)
+def test_the_run_end_warns_when_the_held_out_loss_is_far_above_the_last_training_losses(
+    tmp_path, shards, capfd
+):
+    run_dir = tmp_path / "run"
+    for stage in range(RUN.model.n_stages):  # near-initial weights: ~ln 256 nats a token held out
+        write_replica(
+            run_dir / "checkpoints",
+            f"worker-{stage}",
+            trained_snapshot(stage),
+            stage=stage,
+            step=5,
+            standing=serving(1),
+        )
+    # the trainers' last 64 samples average 1.0; the earlier ones do not count
+    (run_dir / "trainer-0.losses.jsonl").write_text(
+        "".join(json.dumps({"id": i, "loss": 10.0, "t": i}) + "\n" for i in range(100)) + '{"id": 1, "lo'
+    )
+    (run_dir / "trainer-1.losses.jsonl").write_text(
+        "".join(json.dumps({"id": i, "loss": 1.0, "t": 100 + i}) + "\n" for i in range(64))
+    )
+    assert last_training_loss(run_dir) == pytest.approx(1.0)
+    config = tmp_path / "run.toml"
+    config.write_text(dump_toml(RUN))
+    export_and_evaluate(run_dir, str(config), shards)
+    printed = capfd.readouterr().out
+    [held_out] = [line for line in printed.splitlines() if line.startswith("held-out loss:")]
+    loss = float(held_out.split()[2])
+    assert loss > HELD_OUT_ALARM_RATIO * 1.0
+    [warning] = [line for line in printed.splitlines() if line.startswith("WARNING: the exported model")]
+    assert f"{loss:.3f} nats/token" in warning and "last 64 samples, 1.000" in warning
+    assert "--from-checkpoints" in warning and '"held_out_loss"' not in printed  # the JSON stays in
 
 
 LIVE = RunConfig(

@@ -1,8 +1,10 @@
-"""Checkpoints on real files: bit-exact round trips, keep-K pruning, and every kind of bad
-checkpoint skipped (with a warning naming it) in favour of the newest good one."""
+"""Checkpoints on real files: bit-exact round trips, keep-K pruning, every kind of bad
+checkpoint skipped (with a warning naming it) in favour of the newest good one, and the
+writer's standing recorded in the manifest as it stood when the snapshot was captured."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 
@@ -13,8 +15,17 @@ import torch
 
 from agora_core.config import RunConfig
 from agora_core.config.run import ModelConfig, OptimizerConfig, parse_run_config
+from agora_core.metrics import NodeMetrics
+from agora_core.testing import wait_until_async
 from agora_worker import checkpoint as checkpoint_module
-from agora_worker.checkpoint import CheckpointStore, config_digest, find_manifests
+from agora_worker.checkpoint import (
+    CheckpointInvalid,
+    CheckpointStore,
+    config_digest,
+    find_manifests,
+    read_manifest,
+)
+from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer
 from agora_worker.state import StageState, StateSnapshot
@@ -209,3 +220,69 @@ def test_saving_the_same_step_again_replaces_it_safely(store):
 
 def test_an_empty_directory_has_no_checkpoint(tmp_path):
     assert CheckpointStore(tmp_path / "new", run=RUN, stage=1, keep=1).newest_valid() is None
+
+
+def test_the_manifest_records_the_writers_standing_and_reads_it_back(store):
+    state = replica()
+    standing = {"phase": "serving", "serving_rounds": 6}
+    path = store.save(snapshot_at(state, 1), standing=standing)
+    assert json.loads(path.read_text())["standing"] == standing
+    assert read_manifest(path).standing == standing
+    older = store.save(snapshot_at(state, 1))  # no standing: the field is left out, still loads
+    assert "standing" not in json.loads(older.read_text())
+    assert read_manifest(older).standing is None and store.newest_valid().step == 2
+
+
+@pytest.mark.parametrize(
+    "standing",
+    [
+        "serving",
+        {"serving_rounds": 3},
+        {"phase": 1, "serving_rounds": 3},
+        {"phase": "serving", "serving_rounds": -1},
+        {"phase": "serving", "serving_rounds": True},
+        {"phase": "serving", "serving_rounds": 2.5},
+    ],
+)
+def test_a_manifest_with_a_malformed_standing_is_skipped_as_invalid(store, standing):
+    state = replica()
+    store.save(snapshot_at(state, 1), standing={"phase": "serving", "serving_rounds": 1})
+    path = store.save(snapshot_at(state, 1), standing={"phase": "serving", "serving_rounds": 2})
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "standing": standing}))
+    with pytest.raises(CheckpointInvalid, match="field 'standing'"):
+        read_manifest(path)
+    with structlog.testing.capture_logs() as logs:
+        assert [m.step for m in find_manifests(store.directory)] == [1]
+    assert any(e["event"] == "checkpoint_skipped" and path.name in e["reason"] for e in logs)
+    with pytest.raises(ValueError, match="standing"):
+        store.save(snapshot_at(state, 1), standing=standing)
+
+
+async def test_the_writer_records_the_standing_of_the_moment_it_queued_the_capture(store):
+    state = replica()
+    train(state, 2)
+    standing = {"phase": "optimizer_sync", "serving_rounds": 0}
+
+    def capture() -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(state.capture())
+        return done
+
+    writer = CheckpointWriter(
+        store,
+        capture=capture,
+        every_steps=2,
+        metrics=NodeMetrics(role="worker"),
+        standing=lambda: dict(standing),
+    )
+    writer.on_step(2)
+    standing.update(phase="serving", serving_rounds=1)  # moves on before the write runs
+    await wait_until_async(lambda: not writer.writing, what="the write to finish")
+    assert find_manifests(store.directory)[0].standing == {"phase": "optimizer_sync", "serving_rounds": 0}
+    train(state, 1, seed=1)
+    await writer.close(step=3, timeout_s=10)  # the stop's own capture, with the standing then
+    assert [(m.step, m.standing) for m in find_manifests(store.directory)] == [
+        (3, {"phase": "serving", "serving_rounds": 1}),
+        (2, {"phase": "optimizer_sync", "serving_rounds": 0}),
+    ]

@@ -154,9 +154,9 @@ async def test_a_checkpoint_that_comes_due_during_a_slow_write_is_skipped(make_w
     store_save = worker.checkpoint_writer.store.save
     release = threading.Event()
 
-    def slow_save(snapshot):
+    def slow_save(snapshot, **kwargs):
         assert release.wait(timeout=20), "the test never released the write"
-        return store_save(snapshot)
+        return store_save(snapshot, **kwargs)
 
     monkeypatch.setattr(worker.checkpoint_writer.store, "save", slow_save)
     with structlog.testing.capture_logs() as logs:

@@ -8,13 +8,17 @@ A checkpoint is two files in the worker's checkpoint directory:
 The manifest names the tensor file and holds what it takes to trust it: format version, run
 name, a digest of the config parts that decide the tensors' shapes and meaning (the model
 section and the seed), stage, step, the file's size, every tensor's SHA-256, the time it was
-written, and the run config itself as TOML. Both files are written to a temporary name,
-fsynced and renamed, the manifest after the tensors: a crash at any point leaves either the
-previous checkpoints or a complete new one, never a valid-looking partial one. A tensor file
-with no manifest (a crash between the two) is deleted by the next save.
+written, the run config itself as TOML and, optionally, the writer's standing when the
+snapshot was captured: its sync phase and the averaging rounds it completed since it began
+serving (``tools/export_model.py`` trusts a serving replica that has averaged). Both files
+are written to a temporary name, fsynced and renamed, the manifest after the tensors: a crash
+at any point leaves either the previous checkpoints or a complete new one, never a
+valid-looking partial one. A tensor file with no manifest (a crash between the two) is
+deleted by the next save.
 
 Reading tries the newest first and skips, with a warning that names the file and why, any that
 is truncated, unreadable, fails a digest, or belongs to another run, stage or model.
+Manifests without a standing (written before workers recorded it) still load.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.numpy
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from agora_core import world
 from agora_core.config import RunConfig
@@ -49,6 +53,19 @@ log = get_logger("worker.checkpoint")
 
 class CheckpointInvalid(AgoraError):
     """A checkpoint that cannot be used; the message says which file and why."""
+
+
+def _standing_problem(standing: Any) -> str | None:
+    """What is wrong with a manifest's ``standing`` ({"phase": str, "serving_rounds": int >= 0}),
+    None if nothing."""
+    if not isinstance(standing, dict):
+        return f"must be an object with phase and serving_rounds, not {type(standing).__name__}"
+    phase, rounds = standing.get("phase"), standing.get("serving_rounds")
+    if not isinstance(phase, str):
+        return f"phase must be a string, got {phase!r}"
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        return f"serving_rounds must be an integer >= 0, got {rounds!r}"
+    return None
 
 
 def config_digest(run: RunConfig) -> str:
@@ -71,6 +88,9 @@ class Manifest:
     tensors: dict[str, str]  # name -> SHA-256 hex
     written: float  # unix time
     run_config: str  # the run config, TOML
+    # The writer's sync phase at capture and its averaging rounds since it began serving;
+    # None in manifests written before workers recorded it.
+    standing: dict | None = None
 
     @property
     def tensor_path(self) -> Path:
@@ -107,7 +127,10 @@ def read_manifest(path: Path) -> Manifest:
         raise CheckpointInvalid(f"{path}: unreadable: 'tensors' must map names to hex digests")
     if Path(data["file"]).name != data["file"]:
         raise CheckpointInvalid(f"{path}: unreadable: tensor file {data['file']!r} is not a plain file name")
-    return Manifest(path=path, **{name: data[name] for name in kinds})
+    standing = data.get("standing")
+    if standing is not None and (problem := _standing_problem(standing)) is not None:
+        raise CheckpointInvalid(f"{path}: unreadable: field 'standing': {problem}")
+    return Manifest(path=path, standing=standing, **{name: data[name] for name in kinds})
 
 
 def find_manifests(directory: Path, *, warn: bool = True) -> list[Manifest]:
@@ -131,9 +154,12 @@ def load_checkpoint(
     run: RunConfig,
     stage: int,
     check: Callable[[StateSnapshot], None] | None = None,
+    prefix: str = "",
 ) -> StateSnapshot:
     """The snapshot a manifest describes, after every check; CheckpointInvalid says why not.
-    ``check`` (e.g. ``StageState.check``) may raise StateMismatch: another model shape."""
+    ``check`` (e.g. ``StageState.check``) may raise StateMismatch: another model shape.
+    With ``prefix`` (e.g. ``param/``: the weights alone) only the tensors whose names start
+    with it are read and their digests checked."""
     where = manifest.tensor_path
     if manifest.run != run.name:
         raise CheckpointInvalid(f"{manifest.path}: belongs to run {manifest.run!r}, not {run.name!r}")
@@ -151,15 +177,16 @@ def load_checkpoint(
     if size != manifest.file_bytes:
         raise CheckpointInvalid(f"{where}: truncated: {size} bytes, the manifest says {manifest.file_bytes}")
     try:
-        tensors = safetensors.numpy.load_file(where)
+        with safe_open(str(where), framework="np") as f:
+            if set(f.keys()) != set(manifest.tensors):
+                raise CheckpointInvalid(f"{where}: holds other tensors than its manifest lists")
+            tensors = {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
     except (OSError, SafetensorError) as exc:
         raise CheckpointInvalid(f"{where}: unreadable ({exc})") from None
-    if set(tensors) != set(manifest.tensors):
-        raise CheckpointInvalid(f"{where}: holds other tensors than its manifest lists")
-    for name, expected in manifest.tensors.items():
-        if tensor_digest(tensors[name]) != expected:
+    for name, array in tensors.items():
+        if tensor_digest(array) != manifest.tensors[name]:
             raise CheckpointInvalid(f"{where}: digest mismatch in tensor {name!r} (the file is corrupt)")
-    snapshot = StateSnapshot(manifest.step, tensors, dict(manifest.tensors))
+    snapshot = StateSnapshot(manifest.step, tensors, {n: manifest.tensors[n] for n in tensors})
     if check is not None:
         try:
             check(snapshot)
@@ -183,9 +210,13 @@ class CheckpointStore:
         self.keep = keep
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def save(self, snapshot: StateSnapshot) -> Path:
+    def save(self, snapshot: StateSnapshot, *, standing: dict | None = None) -> Path:
         """Write ``snapshot`` atomically, then delete all but the newest ``keep``; returns the
-        manifest's path. Blocking file I/O and hashing: call it off the event loop."""
+        manifest's path. ``standing``: the writer's {"phase", "serving_rounds"} when the
+        snapshot was captured, recorded in the manifest. Blocking file I/O and hashing: call it
+        off the event loop."""
+        if standing is not None and (problem := _standing_problem(standing)) is not None:
+            raise ValueError(f"standing {problem}")
         started = world.monotonic()
         base = f"stage{self.stage}-step{snapshot.step:09d}"
         file_name = f"{base}-{world.token_hex(4)}.safetensors"
@@ -212,6 +243,8 @@ class CheckpointStore:
             "written": world.wall(),
             "run_config": dump_toml(self.run),
         }
+        if standing is not None:
+            manifest["standing"] = {"phase": standing["phase"], "serving_rounds": standing["serving_rounds"]}
         path = self.directory / f"{base}.json"
         _write_manifest(path, manifest)
         _fsync_directory(self.directory)
@@ -222,6 +255,7 @@ class CheckpointStore:
             step=snapshot.step,
             file=str(tensor_path),
             bytes=manifest["file_bytes"],
+            standing=standing,
             seconds=round(world.monotonic() - started, 3),
             removed=removed,
         )

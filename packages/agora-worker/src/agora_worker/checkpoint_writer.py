@@ -3,9 +3,11 @@ when it stops cleanly, each in the background so serving and training never wait
 
 The snapshot is captured on the compute thread (a copy, under the optimizer's lock), queued
 there the moment the step is due so it holds exactly that step, then hashed and written on a
-worker thread. One write at a time: a step that comes due while the
-previous write is still going is skipped, with a log line. A failed write is logged and
-counted, never fatal: the previous checkpoints are still there.
+worker thread. The worker's standing (its sync phase and averaging rounds while serving) is
+read at that same moment and recorded in the manifest, so it describes the state captured.
+One write at a time: a step that comes due while the previous write is still going is
+skipped, with a log line. A failed write is logged and counted, never fatal: the previous
+checkpoints are still there.
 """
 
 from __future__ import annotations
@@ -31,13 +33,18 @@ class CheckpointWriter:
         capture: Callable[[], concurrent.futures.Future[StateSnapshot]],
         every_steps: int,
         metrics: NodeMetrics,
+        standing: Callable[[], dict] | None = None,
     ):
-        """``capture()`` queues a snapshot of the replica on its compute thread (``Runtime.call``)."""
+        """``capture()`` queues a snapshot of the replica on its compute thread (``Runtime.call``);
+        ``standing()``, called on the event loop as each capture is queued, says where the
+        worker stands then: {"phase": its sync phase, "serving_rounds": averaging rounds it
+        completed since it began serving} (``CheckpointStore.save``)."""
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         self.store = store
         self.every_steps = every_steps
         self._capture = capture
+        self._standing = standing
         self._task: asyncio.Task | None = None
         self.last_step: int | None = None  # the step of the newest checkpoint written or resumed
         self.resumed_step: int | None = None  # the checkpoint's step the worker started from
@@ -77,18 +84,23 @@ class CheckpointWriter:
                 "checkpoint_skipped_busy", step=step, reason="the previous checkpoint is still writing"
             )
             return
-        captured = self._capture()  # queued now, before the next batch or step
-        self._task = asyncio.get_running_loop().create_task(self.write(captured), name="worker-checkpoint")
+        queued = self._queue()  # now, before the next batch or step
+        self._task = asyncio.get_running_loop().create_task(self._write(*queued), name="worker-checkpoint")
 
-    async def write(
-        self, captured: concurrent.futures.Future[StateSnapshot] | None = None
+    async def write(self) -> StateSnapshot | None:
+        """Write one checkpoint of a snapshot captured now; None if it failed (logged and counted)."""
+        return await self._write(*self._queue())
+
+    def _queue(self) -> tuple[concurrent.futures.Future[StateSnapshot], dict | None, float]:
+        """A capture queued now, the worker's standing now, and when."""
+        return self._capture(), self._standing() if self._standing else None, world.monotonic()
+
+    async def _write(
+        self, captured: concurrent.futures.Future[StateSnapshot], standing: dict | None, started: float
     ) -> StateSnapshot | None:
-        """Write one checkpoint of the ``captured`` snapshot (default: one captured now); None
-        if it failed (logged and counted)."""
-        started = world.monotonic()
         try:
-            snapshot = await asyncio.wrap_future(captured or self._capture())
-            await world.offload(self.store.save, snapshot)
+            snapshot = await asyncio.wrap_future(captured)
+            await world.offload(self.store.save, snapshot, standing=standing)
         except Exception as exc:  # whatever went wrong (a full disk, a bug): training goes on
             self._m_failed.inc()
             log.error("checkpoint_failed", directory=str(self.store.directory), error=repr(exc))

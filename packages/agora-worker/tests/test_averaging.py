@@ -234,6 +234,10 @@ async def test_a_clean_round_gives_every_replica_the_sample_weighted_mean_of_one
             assert np.array_equal(new[~mask], old[~mask])  # untouched coordinates unchanged
             assert report["group_size"] == 5 and report["averaging_success"] == 1.0
             assert report["reduce_success"] == 1.0 and not report["excluded"]
+            # how far it stood from the group: what a joiner's probation holds against its peers'
+            apart = np.linalg.norm(expected[mask] - old[mask]) / np.linalg.norm(old[mask])
+            assert report["distance"] == pytest.approx(apart, rel=1e-3)
+        assert reports[4]["distance"] > max(r["distance"] for r in reports[:4])  # it started elsewhere
 
 
 async def test_steps_taken_during_a_round_are_kept_by_the_delta_rule(tmp_path):

@@ -47,9 +47,9 @@ async def capture(worker: Worker):
     return await asyncio.wrap_future(worker.runtime.call(worker.state.capture))
 
 
-async def train_and_step(worker: Worker, client: RpcClient, steps: int) -> None:
+async def train_and_step(worker: Worker, client: RpcClient, steps: int, *, data_seed: int = 0) -> None:
     """One real backward (so AdamW has moments), then ``steps`` steps of the stage."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(data_seed)
     tokens = rng.integers(0, 256, (2, 8), dtype=np.int64)
     grad = rng.standard_normal((2, 8, 4)).astype(np.float32)
     await client.call(worker.address, Method.BACKWARD, {"stage": 0}, {"tokens": tokens, "grad": grad})
@@ -146,6 +146,30 @@ async def test_a_download_spreads_over_donors_and_survives_one_dying(workers, cl
     assert sum(by_donor.values()) == download.total_bytes  # nothing that arrived was fetched again
 
 
+async def test_each_weights_adamw_state_comes_whole_from_one_replica(workers, client):
+    # Two replicas trained on different samples: their weights and moments differ. The
+    # download still spreads over both, but a weight's exp_avg, exp_avg_sq and step come from
+    # the same one: one replica's first moment over the other's second is no AdamW state.
+    first, second = await workers(0), await workers(0)
+    await train_and_step(first, client, steps=1, data_seed=1)
+    await train_and_step(second, client, steps=1, data_seed=2)
+    states = [await capture(first), await capture(second)]
+    snapshot, download = await download_state(
+        client, [first.address, second.address], expected=first.state.expected_specs(), config=RUN.join
+    )
+    bundles = {name.rsplit("/", 1)[0] for name in snapshot.tensors if name.startswith("adam/")}
+    assert bundles, "the donors' moments travelled"
+    sources = set()
+    for bundle in bundles:
+        names = [f"{bundle}/{field}" for field in ("exp_avg", "exp_avg_sq", "step")]
+        mine = [snapshot.digest(n) for n in names]
+        owners = [i for i, state in enumerate(states) if [state.digest(n) for n in names] == mine]
+        assert owners, f"{bundle}: its moments mix the two replicas"
+        sources.update(owners)
+    assert sources == {0, 1}  # the bundles were spread over both donors
+    assert all(d.fetched_bytes > 0 for d in download.donors)
+
+
 async def test_a_lying_donor_is_caught_by_the_digest_and_its_tensor_refetched(workers, client):
     honest = await workers(1, BIG)
     truth = await capture(honest)
@@ -237,3 +261,49 @@ async def test_a_weights_only_download_leaves_the_optimizer_state_on_the_donor(w
     assert {name for name, _, _ in light.meta["tensors"]} == set(weights)  # no moments copied
     full = await client.call(donor.address, Method.STATE_MANIFEST)
     assert any(name.startswith("adam/") for name, _, _ in full.meta["tensors"])
+
+
+async def test_a_joiner_in_optimizer_sync_warms_its_moments_and_leaves_its_weights(workers, client):
+    worker = await workers(0, phase=Phase.OPTIMIZER_SYNC)  # pinned there, as an operator may
+    await train_and_step(worker, client, steps=1)
+    before = await capture(worker)
+    assert worker.last_step.warmup and worker.last_step.applied and worker.last_step.samples == 2
+    await train_and_step(worker, client, steps=1, data_seed=3)
+    after = await capture(worker)
+    weights = [n for n in after.tensors if n.startswith("param/")]
+    moments = [n for n in after.tensors if n.endswith("/exp_avg_sq")]
+    assert weights and all(after.digest(n) == before.digest(n) for n in weights)
+    assert moments and any(after.digest(n) != before.digest(n) for n in moments)
+
+
+async def test_a_step_the_guard_refuses_sends_the_worker_back_to_weight_sync(workers, client):
+    worker = await workers(0)
+    await train_and_step(worker, client, steps=1, data_seed=1)
+
+    def lose_second_moments():  # e.g. moments put together from two replicas' halves
+        for state in worker.optimizer.adamw.state.values():
+            state["exp_avg_sq"].mul_(1e-12)
+
+    await asyncio.wrap_future(worker.runtime.call(lose_second_moments))
+    before = await capture(worker)
+    await train_and_step(worker, client, steps=1, data_seed=2)  # other tokens: rows with m, no g
+    report = worker.last_step
+    assert report.refused and not report.applied
+    assert worker.phases.phase is Phase.WEIGHT_SYNC and worker.phases.since_step == report.step
+    assert worker.metrics.sample_value("agora_worker_resyncs_total", {"cause": "step_refused"}) == 1
+    after = await capture(worker)
+    assert all(after.digest(n) == before.digest(n) for n in after.tensors if not n.endswith("/step"))
+
+
+async def test_rounds_averaged_while_serving_make_the_checkpoints_standing(workers, client, tmp_path):
+    # What the export weighs: a checkpoint written after a round averaged while serving.
+    first, second = await workers(0, checkpoint_dir=str(tmp_path / "a")), await workers(0)
+    standing = first.checkpoint_writer._standing
+    assert standing() == {"phase": "serving", "serving_rounds": 0}
+    await asyncio.gather(
+        *(client.call(w.address, Method.AVERAGING_START, {"round": 0}, timeout_s=30) for w in (first, second))
+    )
+    assert first.averager.reports[-1].group_size == 2
+    assert standing() == {"phase": "serving", "serving_rounds": 1}
+    first.phases.start_sync(first.optimizer.step, reason="test")
+    assert standing()["serving_rounds"] == 0 and standing()["phase"] == "weight_sync"

@@ -40,6 +40,9 @@ def worker_info(worker: Worker) -> dict:
         "phase": worker.phases.phase,
         "phase_steps_left": worker.phases.steps_left(worker.optimizer.step),
         "join": None if worker.joined is None else worker.joined.info(),
+        # its first serving round held against its peers' distances (joiners only)
+        "probation": {"pending": worker.probation.pending, "verdicts": worker.probation.verdicts},
+        "steps_refused": worker.optimizer.refused_steps,
         "refused_while_invisible": worker.pipeline.refused_while_invisible,
         "averaging": worker.averager.info(),
         "checkpoint": None if worker.checkpoint_writer is None else worker.checkpoint_writer.info(),

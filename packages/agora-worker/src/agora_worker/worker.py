@@ -31,12 +31,13 @@ from agora_core.schema import WorkerAnnouncement
 from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.averaging import Averager
+from agora_worker.averaging.averager import RoundReport
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.checkpoint_writer import CheckpointWriter
 from agora_worker.compute import build_compute
 from agora_worker.info import worker_info
 from agora_worker.injections import watcher_for
-from agora_worker.joining import Joiner, JoinOutcome, PhaseTracker, StateDonor
+from agora_worker.joining import Joiner, JoinOutcome, JoinProbation, PhaseTracker, StateDonor
 from agora_worker.optimizer import StepReport
 from agora_worker.pipeline import PipelineService
 from agora_worker.progress import StageProgressTracker
@@ -91,6 +92,8 @@ class Worker:
             "agora_worker_phase", "1 for the phase the worker is in.", ["phase"]
         )
         self.phases = PhaseTracker(run.sync, override=self.settings.phase, on_change=self._phase_changed)
+        self._phase_seen = self.phases.phase  # the phase _phase_changed last saw
+        self.serving_rounds = 0  # averaging rounds that averaged something since it last began serving
         self._set_phase_metric(self.phases.phase)
         self.node = node or RunNode(
             run=run,
@@ -139,6 +142,13 @@ class Worker:
             address=lambda: self.address or "",
             phase=lambda: self.phases.phase,
             injections=self.injections,
+            on_round=self._on_round,
+        )
+        # A joiner's first serving round, held against its peers: too far off, it re-syncs.
+        self.probation = JoinProbation(
+            ratio=run.sync.max_join_distance_ratio,
+            peer_summaries=self.averager.peer_summaries,
+            resync=lambda reason: self._resync("join_probation", reason),
         )
         self.progress = StageProgressTracker(
             dht=self.dht,
@@ -210,6 +220,14 @@ class Worker:
             "agora_worker_grad_norm", "Gradient norm before clipping, last step."
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+        self._m_resyncs = self.metrics.counter(
+            "agora_worker_resyncs_total",
+            "Times the worker sent itself back to weight sync: a step refused for an update far "
+            "beyond the recent ones, or a joiner's first serving round far from its peers'.",
+            ["cause"],
+        )
+        for cause in ("step_refused", "join_probation"):  # exported at 0 from the start
+            self._m_resyncs.labels(cause=cause)
         # --- checkpoints (--checkpoint-dir, --resume) -------------------------------------------
         self.checkpoint_writer = (
             CheckpointWriter(
@@ -217,6 +235,8 @@ class Worker:
                 capture=lambda: self.runtime.call(self.state.capture),
                 every_steps=run.checkpoint.every_steps,
                 metrics=self.metrics,
+                # what the export weighs: a replica that served through a round agrees with its stage
+                standing=lambda: {"phase": str(self.phases.phase), "serving_rounds": self.serving_rounds},
             )
             if self.settings.checkpoint_dir
             else None
@@ -285,13 +305,20 @@ class Worker:
     # --- stepping and describing -------------------------------------------------------------------
 
     async def take_step(self) -> StepReport:
-        report = await asyncio.wrap_future(self.runtime.call(self.optimizer.apply))
+        # In optimizer sync the step warms AdamW's moments on the live gradients and leaves the
+        # weights to averaging: the joiner's own samples never reach them (its moments may still
+        # be those of the download, stale from weight sync).
+        warmup = self.phases.phase is Phase.OPTIMIZER_SYNC
+        report = await asyncio.wrap_future(self.runtime.call(lambda: self.optimizer.apply(warmup=warmup)))
         self.last_step = report
         self._m_step.set(report.step)
         self._m_norm.set(report.grad_norm)
         self._m_lr.set(report.lr)
         stage_step = self.progress.stage_step
-        self.phases.advance(report.step, stage_step=stage_step)
+        if report.refused:
+            self._resync("step_refused", report.refused)
+        else:
+            self.phases.advance(report.step, stage_step=stage_step)
         if report.step >= stage_step:  # catching up: the stage held these rounds already
             self.averager.on_step(report.step)
         if self.checkpoint_writer is not None:
@@ -304,6 +331,8 @@ class Worker:
             grad_norm=round(report.grad_norm, 4),
             lr=report.lr,
             applied=report.applied,
+            warmup=report.warmup,
+            update_ratio=round(report.update_ratio, 4),
             seconds=round(report.seconds, 4),
         )
         return report
@@ -325,12 +354,30 @@ class Worker:
         )
         return snapshot.step
 
+    def _on_round(self, report: RoundReport) -> None:
+        serving = self.phases.phase is Phase.SERVING
+        if serving and report.group_size >= 2 and report.averaging_success > 0:
+            self.serving_rounds += 1
+        self.probation.on_round(report, serving=serving)
+
+    def _resync(self, cause: str, reason: str) -> None:
+        """Back to weight sync, where the stage's average replaces this replica's weights."""
+        self._m_resyncs.labels(cause=cause).inc()
+        log.warning("worker_resync", stage=self.stage, step=self.optimizer.step, cause=cause, reason=reason)
+        self.phases.start_sync(self.optimizer.step, reason=f"{cause}: {reason}")
+
     def _set_phase_metric(self, phase: Phase) -> None:
         for each in Phase:
             self._m_phase.labels(phase=each.value).set(1.0 if each is phase else 0.0)
 
     def _phase_changed(self, phase: Phase) -> None:
         """Tell trainers and peers at once, not at the next refresh."""
+        previous, self._phase_seen = self._phase_seen, phase
+        self.serving_rounds = 0
+        if phase is Phase.SERVING and previous in (Phase.WEIGHT_SYNC, Phase.OPTIMIZER_SYNC):
+            self.probation.joined()
+        elif phase is not Phase.SERVING:
+            self.probation.left()
         self._set_phase_metric(phase)
         if self.address is None or not self._tasks:
             return  # not started yet: start() announces

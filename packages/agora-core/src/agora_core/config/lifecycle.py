@@ -22,10 +22,19 @@ class SyncConfig:
     # many steps behind its stage's live replicas downloads theirs; a serving worker that
     # falls this far behind its stage re-enters weight sync.
     stale_after_steps: int = 20
+    # A joiner's first averaging round in serving: if its weights stood more than this many
+    # times farther from the group's average than its serving peers' did in their last rounds,
+    # it is no replica of its stage and goes back to weight sync; 0 turns the check off.
+    max_join_distance_ratio: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("weight_sync_steps", "optimizer_sync_steps", "stale_after_steps"):
             require(getattr(self, name) >= 0, name, "must be >= 0")
+        require(
+            self.max_join_distance_ratio == 0 or self.max_join_distance_ratio >= 1,
+            "max_join_distance_ratio",
+            "must be 0 (off) or >= 1",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

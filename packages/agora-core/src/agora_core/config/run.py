@@ -138,9 +138,17 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     # Samples the stage's workers accumulate together before each takes its optimizer step.
     target_batch_size: int = 1024  # assumed
+    # A worker refuses a step whose update (per weight, in learning rates) is more than this
+    # many times its recent steps' median, and re-enters weight sync; 0 turns the guard off.
+    max_update_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "lr", "must be positive")
+        require(
+            self.max_update_ratio == 0 or self.max_update_ratio >= 1,
+            "max_update_ratio",
+            "must be 0 (off) or >= 1",
+        )
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must lie in [0, 1]")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         require(self.total_steps > 0, "total_steps", "must be positive")

@@ -9,6 +9,7 @@ optimizer's lock, so progress made during the round is kept. Optimizer state nev
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -48,6 +49,9 @@ class RoundReport:
     matchmaking_failed: bool = False  # no group could be formed (not: this peer was alone)
     reducers: int = 0  # reducers in the group (none: nobody could average)
     allreduce_s: float = 0.0  # of ``seconds``, the exchange (and applying it) once the group formed
+    # ||average - own|| / ||own|| over the part of its segment that was averaged: how far this
+    # replica stood from its group (a replica its stage does not recognise stands far off)
+    distance: float = 0.0
 
 
 class Averager:
@@ -71,6 +75,7 @@ class Averager:
         address: Callable[[], str],
         phase: Callable[[], Phase],
         injections: InjectionPoints = NO_INJECTIONS,  # the operator's averaging-send trigger
+        on_round: Callable[[RoundReport], None] | None = None,  # after every round, with its report
     ):
         self.config = config
         self._injections = injections
@@ -79,6 +84,7 @@ class Averager:
         self._dht, self._client = dht, client
         self._runtime, self._optimizer = runtime, optimizer
         self._address, self._phase = address, phase
+        self._on_round = on_round
         self.flat = FlatParameters(tensors)
         self.layout = SegmentLayout(
             [t.numel() for t in tensors], segments=config.segments, run_seed=seed, stage=stage
@@ -221,8 +227,8 @@ class Averager:
             deadline=deadline,
             injections=self._injections,
         )
-        steps_during = (
-            await asyncio.wrap_future(self._runtime.call(lambda: self._apply(ranges, result.pieces))) - step
+        applied_at, distance = await asyncio.wrap_future(
+            self._runtime.call(lambda: self._apply(ranges, result.pieces, snapshot))
         )
         report = RoundReport(
             round=round_index,
@@ -233,14 +239,16 @@ class Averager:
             seconds=world.monotonic() - started,
             bytes_moved=result.wire_bytes,
             excluded=result.excluded,
-            steps_during=steps_during,
+            steps_during=applied_at - step,
             reducers=len(group.reducers),
             allreduce_s=world.monotonic() - formed,
+            distance=distance,
         )
         return self._finish(report)
 
-    def _apply(self, ranges, pieces: list[tuple[int, np.ndarray]]) -> int:
-        """The delta rule, on the compute thread, under the optimizer's lock.
+    def _apply(self, ranges, pieces: list[tuple[int, np.ndarray]], snapshot: np.ndarray) -> tuple[int, float]:
+        """The delta rule, on the compute thread, under the optimizer's lock; returns the step
+        it landed at and the relative distance of ``snapshot`` (theta*) from the average.
 
         Each piece is (start in the segment, average - theta*) of a chunk whose average came
         back; the values of chunks that did not come back keep their local progress. Gradients
@@ -248,7 +256,9 @@ class Averager:
         """
         with self._optimizer.writing_masters():  # the device copy follows in one transfer
             self.flat.add(ranges, pieces)
-        return self._optimizer.step
+        moved = sum(float(np.dot(d, d)) for _, d in pieces)
+        held = sum(float(np.dot(v, v)) for v in (snapshot[start : start + len(d)] for start, d in pieces))
+        return self._optimizer.step, math.sqrt(moved / held) if held > 0 else 0.0
 
     def _finish(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
@@ -258,10 +268,18 @@ class Averager:
         self._m_seconds.observe(report.seconds)
         self._m_bytes.inc(report.bytes_moved)
         log.info("averaging_round", **asdict(report))
+        if self._on_round is not None:
+            self._on_round(report)
         task = asyncio.get_running_loop().create_task(self._publish(report))
         self._publishing.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._publishing.discard)
         return report
+
+    async def peer_summaries(self) -> list[dict]:
+        """The stage's other workers' latest round reports, as they published them (their own
+        word: each field is to be checked where it is used)."""
+        found = await self._summary.read_all()
+        return [v.value for k, v in found.items() if k != self._summary.subkey and isinstance(v.value, dict)]
 
     async def _publish(self, report: RoundReport) -> None:
         try:

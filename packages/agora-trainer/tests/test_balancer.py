@@ -171,3 +171,47 @@ def test_a_microbatch_goes_only_to_a_worker_that_takes_that_many_samples_at_once
     assert balancer.largest_batch() == 4 and balancer.choose(8) is None
     balancer.update([])
     assert balancer.largest_batch() is None
+
+
+def test_a_distrusted_worker_gets_no_new_work_until_its_exclusion_lapses_then_shares_it(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("agora_core.world.monotonic", lambda: now[0])  # the world's clock seam
+    balancer = StageBalancer(1)
+    balancer.update([announce("a"), announce("b"), announce("c")])
+    simulate(balancer, {"a": 0.01, "b": 0.01, "c": 0.01}, 30)
+    c = next(w for w in balancer.workers if w.node_id == "c")
+    balancer.distrust("c", 60.0)
+    assert balancer.distrusted("c") and balancer.distrusts == 1
+    assert not balancer.banned("c")  # no failure of its calls: a backward pinned to it may go
+    balancer.complete(balancer.begin(c), 1, 0.01)  # such a backward succeeded: still distrusted
+    assert [w.node_id for w in balancer.workers] == ["a", "b"]
+    assert simulate(balancer, {"a": 0.01, "b": 0.01}, 600) == {"a": 300, "b": 300}
+    now[0] += 59.0
+    assert balancer.choose().node_id != "c"
+    now[0] += 2.0
+    assert not balancer.distrusted("c")
+    counts = simulate(balancer, {"a": 0.01, "b": 0.01, "c": 0.01}, 60)
+    assert 10 <= counts["c"] <= 30, counts  # back level with the most-loaded, not flooded
+    with pytest.raises(ValueError, match="positive time"):
+        balancer.distrust("a", 0.0)
+
+
+def test_a_distrusted_worker_is_never_probed_and_stays_distrusted_through_a_worker_list_gap(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("agora_core.world.monotonic", lambda: now[0])
+    balancer = StageBalancer(1, ban_s=5.0, probe_s=0.0)
+    balancer.update([announce("a"), announce("b"), announce("c")])
+    pinned = {w.node_id: w for w in balancer.workers}  # what lanes kept for their backwards
+    balancer.distrust("c", 60.0)
+    balancer.update([announce("a"), announce("b")])  # it drops out of one worker list ...
+    balancer.update([announce("a"), announce("b"), announce("c")])  # ... and is back in the next
+    assert balancer.distrusted("c")
+    balancer.fail(balancer.begin(pinned["c"]))  # a backward pinned to it failed
+    now[0] += 1.0
+    for node_id in ("a", "b"):  # every worker is banned now, c the longest
+        balancer.fail(balancer.begin(pinned[node_id]))
+    assert balancer.workers == []
+    assert balancer.choose().node_id == "a"  # the oldest failure of those that may be probed
+    now[0] += 10.0  # the bans lapse, the exclusion does not
+    assert simulate(balancer, {"a": 0.01, "b": 0.01}, 100)["a"] > 0
+    assert all(balancer.choose().node_id != "c" for _ in range(100))

@@ -13,6 +13,12 @@ the one that failed longest ago is tried again once per ``probe_s`` (a probe) ra
 idle until its ban lapses: a failure that was the trainer's own (its link dropped, so every
 call failed) would otherwise stall the stage for the whole ban after the link returns. A
 call that succeeds lifts its worker's ban.
+
+A worker the trainer distrusts (its samples' losses were outliers, ``agora_trainer.witness``)
+gets no new work for the time given, even as a probe, and a success does not lift that: it
+is no failure of the call. Kept by node id apart from membership, so a worker that drops out
+of one worker list and reappears is still distrusted. A backward pinned to it may still go
+to it (the router's choice). It comes back ``away``: level with the most-loaded worker.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class _Entry:
     active: set[CallToken] = field(default_factory=set)  # this trainer's calls to it, now
     failures: int = 0
     measured: bool = False
-    away: bool = False  # invisible or banned since it was last chosen: it enters level on return
+    away: bool = False  # invisible, banned or distrusted since last chosen: it enters level on return
 
 
 def _never_gone(_node_id: str) -> bool:
@@ -79,6 +85,8 @@ class StageBalancer:
     _heap: list[tuple[float, int, str]] = field(default_factory=list)
     _counter: itertools.count = field(default_factory=itertools.count)
     bans: int = 0
+    distrusts: int = 0
+    _distrusted: dict[str, float] = field(default_factory=dict)  # node id -> until (monotonic)
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -97,7 +105,7 @@ class StageBalancer:
                 self._push(entry)
             elif (entry.ref.address, entry.ref.max_batch) != (ann.address, ann.max_batch):
                 entry.ref = self._ref(ann)  # restarted: same identity, new address or limit
-            if not ann.phase.visible_to_trainers:
+            if not ann.phase.visible_to_trainers or self.distrusted(ann.node_id):
                 entry.away = True
             entry.phase = ann.phase
         for node_id in [n for n in self._entries if n not in seen]:
@@ -125,7 +133,15 @@ class StageBalancer:
 
     def usable(self, node_id: str, now: float | None = None) -> bool:
         now = world.monotonic() if now is None else now
-        return self.visible(node_id) and self._entries[node_id].banned_until <= now
+        return (
+            self.visible(node_id)
+            and self._entries[node_id].banned_until <= now
+            and self._distrusted.get(node_id, 0.0) <= now
+        )
+
+    def distrusted(self, node_id: str) -> bool:
+        """Kept from new work by :meth:`distrust`, now."""
+        return self._distrusted.get(node_id, 0.0) > world.monotonic()
 
     def banned(self, node_id: str) -> bool:
         entry = self._entries.get(node_id)
@@ -188,6 +204,7 @@ class StageBalancer:
             if node_id not in exclude
             and self.visible(node_id)
             and e.banned_until > now
+            and self._distrusted.get(node_id, 0.0) <= now
             and e.ref.max_batch >= samples
         ]
         entry = min(banned, key=lambda e: e.failed_at, default=None)
@@ -233,6 +250,20 @@ class StageBalancer:
             entry.away = True
             entry.failures += 1
             self.bans += 1
+
+    def distrust(self, node_id: str, seconds: float) -> None:
+        """Choose ``node_id`` for nothing for ``seconds`` (not even as a probe), then bring it
+        back level with the most-loaded worker."""
+        if not seconds > 0:
+            raise ValueError(f"a worker is distrusted for a positive time, not {seconds!r} s")
+        now = world.monotonic()
+        # Lapsed ones go: the map holds only exclusions in force, whatever ids come and go.
+        self._distrusted = {n: until for n, until in self._distrusted.items() if until > now}
+        self._distrusted[node_id] = max(self._distrusted.get(node_id, 0.0), now + seconds)
+        entry = self._entries.get(node_id)
+        if entry is not None:
+            entry.away = True
+        self.distrusts += 1
 
     def stats(self) -> dict[str, dict]:
         return {

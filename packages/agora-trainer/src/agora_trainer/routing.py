@@ -10,6 +10,14 @@ backward goes to **the worker that ran its forward** (its weights produced that 
 falling back to another worker of the stage only if that one is gone. A failed call bans the
 worker for a while and is retried on another, within a bounded number of attempts; a sample
 that still cannot finish raises :class:`SampleFailed` and goes back to the queue.
+
+The trainer witnesses its workers (``agora_trainer.witness``): once the tail's losses are
+back, they are recorded against the worker of every stage, and a worker whose samples fare
+far worse than its stage peers' gets no new microbatch for ``distrust_s``. Backwards of
+samples it already forwarded still go to it: its weights made those activations, and a
+gradient through another replica's weights would touch a sound replica to spare an unsound
+one. A microbatch that went through a worker distrusted meanwhile is no evidence: its losses
+are not recorded.
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ from agora_core import world
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigger
+from agora_core.logs import get_logger
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
 from agora_trainer.balancer import StageBalancer, WorkerRef
+from agora_trainer.witness import DISTRUST_S, LossWitness, WitnessConfig
+
+log = get_logger("trainer.routing")
 
 
 class SampleFailed(Exception):
@@ -41,6 +53,7 @@ class Counters:
     retries: int = 0  # calls retried on another worker
     failed_calls: int = 0
     fallbacks: int = 0  # backwards that could not go to their forward's worker
+    outliers: int = 0  # workers judged loss outliers (each then distrusted for a while)
 
 
 @dataclass
@@ -62,6 +75,8 @@ class RoutingConfig:
     # backward through another replica's weights hurts). False: any worker, by the balancer --
     # for the ablation benchmark only.
     pin_backward: bool = True
+    witness: WitnessConfig = field(default_factory=WitnessConfig)  # when a worker is a loss outlier
+    distrust_s: float = DISTRUST_S  # how long an outlier gets no new microbatch
 
 
 class PipelineRouter:
@@ -94,6 +109,14 @@ class PipelineRouter:
         self._m_retries = metrics.counter(
             "agora_trainer_retries_total", "Calls retried on another worker.", ["to_stage"]
         )
+        self.witness = LossWitness(len(balancers), config.witness)
+        self._m_outliers = metrics.counter(
+            "agora_trainer_loss_outliers_total",
+            "Workers whose samples' loss was far above their stage peers' (then distrusted).",
+            ["to_stage"],  # "stage" is every node's own label: this is the worker's
+        )
+        for stage in range(len(balancers)):  # exported at 0 from the start
+            self._m_outliers.labels(to_stage=str(stage))
 
     @property
     def stages(self) -> int:
@@ -163,6 +186,26 @@ class PipelineRouter:
             return worker, reply
         raise SampleFailed(f"stage {stage} {method}: {attempts} attempts failed")
 
+    def _witness(self, served: list[WorkerRef], losses: np.ndarray) -> None:
+        """Record a microbatch's losses (B,) against its worker at each stage; distrust,
+        count and log each worker they show to be a loss outlier."""
+        if any(self._balancers[ref.stage].distrusted(ref.node_id) for ref in served):
+            return  # taken before that worker's exclusion: no evidence about anyone
+        for outlier in self.witness.record([ref.node_id for ref in served], losses):
+            self._balancers[outlier.stage].distrust(outlier.node_id, self._config.distrust_s)
+            self.counters.outliers += 1
+            self._m_outliers.labels(to_stage=str(outlier.stage)).inc()
+            log.warning(
+                "worker_loss_outlier",
+                stage=outlier.stage,
+                node=outlier.node_id,
+                mean_loss=round(outlier.mean_loss, 4),
+                others_mean_loss=round(outlier.others_mean_loss, 4),
+                samples=outlier.samples,
+                others_samples=outlier.others_samples,
+                distrust_s=self._config.distrust_s,
+            )
+
     async def run(self, tokens: np.ndarray, lane: LaneState) -> np.ndarray:
         """Train on a microbatch (B, ``seq_len + 1``) of token ids; returns its losses (B,)."""
         inputs = tokens[:, :-1].astype(np.int32)  # (B, T)
@@ -177,7 +220,7 @@ class PipelineRouter:
             hops.append((worker, boundary))
             boundary = reply.tensors["boundary"]
         tail = self.stages - 1
-        _worker, reply = await self._call(
+        tail_worker, reply = await self._call(
             lane, tail, Method.FORWARD_BACKWARD, {"tokens": inputs, "boundary": boundary, "labels": labels}
         )
         losses = np.asarray(reply.tensors["loss"], dtype=np.float64)
@@ -185,6 +228,7 @@ class PipelineRouter:
             raise SampleFailed(
                 f"the tail returned losses of shape {losses.shape} for {tokens.shape[0]} samples"
             )
+        self._witness([worker for worker, _ in hops] + [tail_worker], losses)
         grad = reply.tensors["grad"]
         for stage in range(self.stages - 2, -1, -1):
             forward_worker, sent = hops[stage]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from agora_core.config import require
 from agora_trainer.rotation_record import parse_ranges
+from agora_trainer.witness import DISTRUST_S, OUTLIER_RATIO
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,15 +32,20 @@ class TrainerSettings:
     shard_adopt_after_s: float = 30.0  # a shard whose holder published nothing this long is adopted
     loss_log: str | None = None  # JSON lines file: one {"id", "loss", "t"} per completed sample
     backward_routing: str = "pinned"  # "random": backward to any replica (ablation only)
+    # A worker whose samples' mean loss exceeds this x its stage peers' over the same period
+    # is a loss outlier (agora_trainer.witness) and gets no new microbatch for distrust_s.
+    loss_outlier_ratio: float = OUTLIER_RATIO
+    distrust_s: float = DISTRUST_S
 
     def __post_init__(self) -> None:
         require(self.lanes >= 1, "lanes", "must be >= 1")
         require(self.microbatch >= 1, "microbatch", "must be >= 1")
         require(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1")
-        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s"):
+        for name in ("refresh_interval_s", "ban_s", "progress_interval_s", "wait_for_worker_s", "distrust_s"):
             require(getattr(self, name) > 0, name, "must be positive")
         require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
         require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
+        require(self.loss_outlier_ratio > 1.0, "loss_outlier_ratio", "must be > 1")
         require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
         require(self.epochs >= 1, "epochs", "must be >= 1")
         require(self.shard_adopt_after_s > 0, "shard_adopt_after_s", "must be positive")

@@ -47,6 +47,7 @@ from agora_trainer.rotation_record import longest_ttl_s
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
 from agora_trainer.settings import TrainerSettings
 from agora_trainer.shards import open_shard_set
+from agora_trainer.witness import WitnessConfig
 
 log = get_logger("trainer")
 
@@ -116,6 +117,8 @@ class Trainer:
             max_attempts=self.settings.max_attempts,
             wait_for_worker_s=self.settings.wait_for_worker_s,
             pin_backward=self.settings.backward_routing == "pinned",
+            witness=WitnessConfig(ratio=self.settings.loss_outlier_ratio),
+            distrust_s=self.settings.distrust_s,
         )
         self.injections = InjectionPoints()  # where the operator's injected failures fire
         self.router = PipelineRouter(
@@ -372,6 +375,7 @@ class Trainer:
             "loss_ema": self.loss_ema,
             "retries": self.counters.retries,
             "bans": sum(b.bans for b in self.balancers),
+            "outliers": self.counters.outliers,
             "workers": [len(b.workers) for b in self.balancers],
             "abandoned": self.abandoned,
         }

@@ -11,6 +11,7 @@ monitor stopped shows what was firing when it stopped, plus ``monitor_stale`` sa
 | ``worker_lost`` | a worker vanished from the DHT: it neither announced leaving (a clean stop) nor wrote a departure record (within ``alert_window_s``) |
 | ``node_terminated`` | a worker terminated itself (its departure record, within the window) |
 | ``loss_nonfinite`` | a live trainer reports a NaN or infinite loss |
+| ``loss_spike`` | the latest snapshot's loss is above ``loss_spike_ratio`` times the run's recent level (:func:`_loss_spike`) |
 | ``samples_mismatch`` | a stage's samples and the trainers' disagree (see :mod:`.ingest`) |
 | ``record_flagged`` | a record was distrusted (bad writer, impossible rate; within the window) |
 | ``monitor_stale`` | no snapshot for three periods |
@@ -18,6 +19,7 @@ monitor stopped shows what was firing when it stopped, plus ``monitor_stale`` sa
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from sqlalchemy import select
@@ -28,13 +30,52 @@ from agora_monitor.settings import MonitorSettings
 
 ALERT_NAMES = (
     "stage_stalled", "stage_few_workers", "worker_lost", "node_terminated", "loss_nonfinite",
-    "samples_mismatch", "record_flagged", "monitor_stale",
+    "loss_spike", "samples_mismatch", "record_flagged", "monitor_stale",
 )  # fmt: skip
 STALE_PERIODS = 3  # snapshots missed before the monitor itself is reported stale
 
 
 def _alert(name: str, severity: str, subject: str, message: str, since: float) -> dict:
     return {"name": name, "severity": severity, "subject": subject, "message": message, "since": since}
+
+
+def _loss_spike(connection: Connection, run: str, settings: MonitorSettings, *, at: float) -> dict | None:
+    """``loss_spike`` if it fires at ``at``: the latest snapshot's loss above
+    ``loss_spike_ratio`` times the level, the lowest median of ``loss_spike_window``
+    consecutive snapshots before it within ``alert_window_s`` (or within as many snapshot
+    periods as that takes, where the window is shorter).
+
+    Judged on the snapshots' loss, the live trainers' mean: the monitor keeps each trainer's
+    latest loss only, not its history, and a broken replica poisons every trainer whose
+    samples pass through it, so the mean moves with them. A median, so that one noisy
+    snapshot cannot set the level; the lowest, so that a lasting spike does not become its
+    own level until the window has passed (as the other alerts of that window, it then stops).
+    """
+    s = schema.snapshots
+    span = max(settings.alert_window_s, (settings.loss_spike_window + 1) * settings.period_s)
+    recent = select(s.c.t, s.c.loss).where(s.c.run == run, s.c.t >= at - span)
+    rows = [tuple(row) for row in connection.execute(recent.order_by(s.c.t))]  # (t, loss)
+    if not rows or rows[-1][1] is None:
+        return None  # no finite loss now (a non-finite one is loss_nonfinite's)
+    *before, (t, loss) = [(t, loss) for t, loss in rows if loss is not None]
+    n = settings.loss_spike_window
+    if len(before) < n:
+        return None  # too little history to know the level
+    losses = [value for _, value in before]
+    level = min(statistics.median(losses[i : i + n]) for i in range(len(losses) - n + 1))
+    limit = settings.loss_spike_ratio * level
+    if level <= 0 or loss <= limit:
+        return None
+    since = t  # the first of the snapshots above the limit up to now
+    for earlier, value in reversed(before):
+        if value <= limit:
+            break
+        since = earlier
+    message = (
+        f"loss {loss:.2f} vs {level:.2f}, the lowest median of {n} snapshots in the previous "
+        f"{span:.0f} s ({loss / level:.1f}x)"
+    )
+    return _alert("loss_spike", "critical", run, message, since)
 
 
 def current_alerts(
@@ -85,6 +126,9 @@ def current_alerts(
                 "loss_nonfinite", "critical", run, f"{latest[0]} trainers report a non-finite loss", latest[1]
             )
         )
+    spike = _loss_spike(connection, run, settings, at=at)
+    if spike is not None:
+        alerts.append(spike)
     f = schema.flags
     flagged = select(f).where(f.c.run == run, f.c.last_t >= window, f.c.kind != "samples_mismatch")
     for row in connection.execute(flagged).mappings():

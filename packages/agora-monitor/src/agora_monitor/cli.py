@@ -57,6 +57,8 @@ def _settings_options(command):
         "stall_after_s": "Alert when a stage's step has not moved for this many seconds.",
         "min_workers": "Alert when a stage has fewer serving workers than this.",
         "alert_window_s": "How long departures, lost workers and flagged records keep alerting (s).",
+        "loss_spike_ratio": "Alert when the loss passes this times its recent level (in the alert window).",
+        "loss_spike_window": "Snapshots per median when taking that level.",
         "rate_slack": "Flag a node whose samples/s pass its announced throughput times this.",
         "reconcile_tolerance": "Flag a stage whose samples differ from the trainers' by more than this fraction ...",
         "reconcile_batches": "... plus this many target batches.",

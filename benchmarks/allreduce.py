@@ -67,7 +67,7 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
     rpc = rpc_config(TransportConfig(chunk_bytes=chunk_bytes))  # as a worker's node builds it
     server = RpcServer(listen="127.0.0.1:0", config=rpc, link=link)
     client = RpcClient(config=rpc, link=link)
-    board = ReductionBoard(server, early_wait_s=60.0)
+    board = ReductionBoard(server, early_wait_s=60.0, stage=0)  # an open run: access is not checked
     print(f"ADDRESS {await server.start()}", flush=True)
     values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
     loop = asyncio.get_running_loop()

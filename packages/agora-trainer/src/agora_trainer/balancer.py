@@ -4,9 +4,14 @@ Choosing a worker charges it the task's estimated cost up front (task size / its
 throughput), so a slower worker is charged more per sample and receives proportionally fewer.
 Each completed call updates the worker's throughput estimate by Little's law: the calls this
 trainer had in flight at that worker, over the call's duration. A worker that merges four
-requests into one batch is credited with four samples per batch time, not one. A newly
-discovered worker enters level with the most-loaded one (not at zero, which would flood it);
-workers in weight sync, and workers the DHT has declared dead, are invisible.
+requests into one batch is credited with four samples per batch time, not one. Workers in
+weight sync, and workers the DHT has declared dead, are invisible.
+
+A worker that comes into use -- newly discovered, out of weight sync, back from a ban -- enters
+level with the most-loaded usable worker at that moment, not at the virtual runtime it had
+when it was last seen (nor at zero): the others were charged all the while, and it would take
+every request of the stage until it caught up. For a joiner fresh out of weight sync that
+also stalls the stage: its optimizer-sync samples do not count toward the stage's batch.
 
 A worker whose call failed is banned for a while. When every worker of the stage is banned,
 the one that failed longest ago is tried again once per ``probe_s`` (a probe) rather than left

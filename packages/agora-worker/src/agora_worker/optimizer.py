@@ -19,7 +19,7 @@ consistent AdamW state can produce at all (|m^| / sqrt(v^) <= (1 - b1) / sqrt((1
 b1^2 / b2)) for any gradient history, 1.17 for the default betas). A step beyond
 ``max_update_ratio`` times that reference is refused: nothing changes, and the worker re-enters
 weight sync. Moments whose first and second halves came from different replicas, or a second
-moment lost, make such steps; one wrecked a tail stage (held-out loss 4.3 -> 74 nats/token).
+moment lost, make such steps, and one such step can wreck a replica.
 """
 
 from __future__ import annotations

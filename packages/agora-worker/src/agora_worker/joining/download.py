@@ -10,9 +10,8 @@ A weight's AdamW state (``adam/<name>/exp_avg``, ``exp_avg_sq`` and ``step``) is
 its three tensors come from donors that agree on all three, one replica's moments. Replicas
 average their weights but never their moments, so one replica's first moment over another's
 second is no state AdamW could reach: where the second replica's variance is small (a token
-its recent batches lacked) the update m / sqrt(v) is many times the learning rate, and a
-joiner's first applied step with such moments once took a tail stage's held-out loss from
-4.3 to 74 nats per token.
+its recent batches lacked) the update m / sqrt(v) is many times the learning rate, and the
+joiner's first applied step with such moments can wreck its replica.
 
 When a donor fails (an error, or no answer within ``piece_timeout_s``) it is dropped and its
 outstanding pieces go back to the queue: another donor with the same digest carries on where

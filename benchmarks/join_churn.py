@@ -128,18 +128,21 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
                     raise RunFailed(f"every worker serving, within {START_S:g} s; see {log}")
                 time.sleep(0.5)
             stage = churn.randrange(stages) if churn else 0
+            kill_at = time.monotonic() + args.interval / 2
             while churn is not None and proc.poll() is None:
+                # Kills keep their pace however long an add takes (it returns once the newcomer
+                # serves): one every interval, the add half an interval after it.
                 interval = args.interval * churn.uniform(0.75, 1.25)
-                if wait_or_end(proc, interval / 2, deadline):
+                if wait_or_end(proc, kill_at - time.monotonic(), deadline):
                     break
                 if not churn_command(proc, log, run_dir, "kill-worker", stage):
                     break
                 kills.append(stage)
-                if wait_or_end(proc, interval / 2, deadline):
+                if wait_or_end(proc, kill_at + interval / 2 - time.monotonic(), deadline):
                     break
-                if not churn_command(proc, log, run_dir, "add-worker", stage):  # returns once it serves
+                if not churn_command(proc, log, run_dir, "add-worker", stage):
                     break
-                stage = (stage + 1) % stages
+                stage, kill_at = (stage + 1) % stages, kill_at + interval
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise RunFailed(f"the run's end, within {deadline_s:g} s; see {log}") from None
@@ -152,7 +155,8 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
                     proc.kill()
                     proc.wait()
             if (run_dir / "swarm.json").exists():
-                subprocess.run([sys.executable, SWARM, "down", "--run-dir", str(run_dir)], timeout=90)
+                down = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
+                subprocess.run(down, stdout=subprocess.DEVNULL, timeout=90)  # --json: one object
     text = log.read_text()
     if proc.returncode:
         raise RunFailed(f"`swarm.py up` exited {proc.returncode}; see {log}")

@@ -2,14 +2,17 @@
 """Joins under churn, judged by the model: a swarm loses a worker and gains one every ~12 s.
 
     python benchmarks/join_churn.py [--json] [--seeds 10] [--samples 4096] [--interval 12]
-                                    [--replicas 3] [--config examples/tiny.toml] [--smoke]
+                                    [--settle-samples 512] [--replicas 3] [--smoke]
 
 Each seed is one run of ``tools/swarm.py up`` (authorized, ``--replicas`` workers per stage,
 the main job's trainer) over ``--samples`` samples, exported and scored on the held-out split
-at its end. Once every worker serves, the driver SIGKILLs the newest worker of a stage
-(``swarm.py kill-worker``) every ``--interval`` s (+-25 %, drawn from the seed), and half an
-interval later adds one (``swarm.py add-worker``): the newcomer downloads its stage's state
-from the live replicas, passes weight and optimizer sync, then serves. The stage cycles
+at its end. Once the trainer completed ``--settle-samples`` (512: the loss windows are judged
+from there, and the learning-rate warm-up is behind it; a kill right at the warm-up's peak
+can set a tiny run back for good, which ``--settle-samples 0`` shows), the driver SIGKILLs
+the newest worker of a stage (``swarm.py kill-worker``) every ``--interval`` s (+-25 %, drawn
+from the seed), and half an interval later adds one (``swarm.py add-worker``): the newcomer
+downloads its stage's state from the live replicas, passes weight and optimizer sync, then
+serves. The stage cycles
 through every stage from a start drawn from the seed, so joins land on head, bodies and tail
 alike. Then one calm run: the same swarm and samples, nothing killed.
 
@@ -127,6 +130,9 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
                 if proc.poll() is not None or time.monotonic() > started:
                     raise RunFailed(f"every worker serving, within {START_S:g} s; see {log}")
                 time.sleep(0.5)
+            while churn is not None and completed(run_dir) < args.settle_samples:
+                if wait_or_end(proc, 0.5, deadline):
+                    break
             stage = churn.randrange(stages) if churn else 0
             kill_at = time.monotonic() + args.interval / 2
             while churn is not None and proc.poll() is None:
@@ -166,6 +172,12 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
     outcome = Outcome(held_out=float(found.group(1)), losses=read_losses(run_dir), kills=kills)
     read_logs(run_dir, outcome)
     return outcome
+
+
+def completed(run_dir: Path) -> int:
+    """Samples the trainer completed so far (lines of its loss log)."""
+    path = run_dir / "trainer-0.losses.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def churn_command(proc: subprocess.Popen, log: Path, run_dir: Path, command: str, stage: int) -> bool:
@@ -236,6 +248,12 @@ def main() -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--interval", type=float, default=12.0, help="seconds between kills")
+    parser.add_argument(
+        "--settle-samples",
+        type=int,
+        default=SETTLE,
+        help="kills begin once the trainer completed this many samples (the learning-rate warm-up behind)",
+    )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "tiny.toml")
     parser.add_argument("--shards", type=Path, help="data shards (default: the main job's, made if missing)")
@@ -243,7 +261,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="one seed of 1024 samples (CI)")
     args = parser.parse_args()
     if args.smoke:
-        args.seeds, args.samples = 1, 1024
+        args.seeds, args.samples, args.settle_samples = 1, 1024, 128
     report = Report("join_churn", as_json=args.json)
     run = load_run_config(args.config)
     args.shards = args.shards or default_shards_dir(run.data)

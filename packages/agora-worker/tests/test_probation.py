@@ -33,7 +33,8 @@ async def judged(summaries, distance: float, **kwargs) -> tuple[JoinProbation, l
 
 
 async def test_a_joiner_far_from_its_group_goes_back_to_sync_one_near_it_stays():
-    peers = [{"distance": 0.010}, {"distance": 0.012}, {"distance": 0.5}]  # one liar, or a laggard
+    averaged = {"group_size": 3, "averaging_success": 1.0}
+    peers = [{"distance": d, **averaged} for d in (0.010, 0.012, 0.5)]  # one liar, or a laggard
     far, resyncs = await judged(peers, 3.0)
     assert len(resyncs) == 1 and "250.0x the median 0.012 of 3 peers" in resyncs[0]
     assert far.verdicts == [{"round": 7, "distance": 3.0, "peers": 3, "reference": 0.012, "passed": False}]
@@ -43,7 +44,7 @@ async def test_a_joiner_far_from_its_group_goes_back_to_sync_one_near_it_stays()
 
 
 async def test_only_an_averaged_round_in_serving_is_judged():
-    peers = [{"distance": 0.01}] * 3
+    peers = [{"distance": 0.01, "group_size": 3, "averaging_success": 1.0}] * 3
     for kwargs in ({"group_size": 1}, {"success": 0.0}):
         probation, resyncs = await judged(peers, 9.0, **kwargs)
         assert probation.pending and resyncs == [] and probation.verdicts == []
@@ -62,7 +63,11 @@ async def test_only_an_averaged_round_in_serving_is_judged():
 
 
 async def test_what_peers_say_is_checked_and_no_figure_means_no_verdict():
-    junk = [{"distance": "0.01"}, {"distance": float("nan")}, {"distance": -1.0}, {"distance": True}, {}]
+    averaged = {"group_size": 3, "averaging_success": 1.0}
+    junk = [{"distance": d, **averaged} for d in ("0.01", float("nan"), -1.0, True, None)]
+    # rounds that averaged nothing report 0: alone, matchmaking failed, nothing came back
+    junk += [{"distance": 0.0, **averaged}, {"distance": 0.01, "group_size": 1, "averaging_success": 0.0}]
+    junk += [{"distance": 0.01, "group_size": 3, "averaging_success": 0.0}]
     probation, resyncs = await judged(junk, 50.0)
     assert resyncs == [] and probation.verdicts[0]["reference"] is None
     probation, resyncs = await judged(DhtError("unreachable"), 50.0)

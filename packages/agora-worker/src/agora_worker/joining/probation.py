@@ -10,7 +10,8 @@ weight 0 until the stage has pulled it in, and says so.
 
 The peers' distances are their own word: the median of several bounds what one liar can do,
 and the worst a lie can do is send a joiner through sync once more. Distances that are no
-finite number >= 0 are dropped.
+finite number > 0, and those of rounds that averaged nothing (a peer alone, its matchmaking
+failed, it was excluded: such a report says 0), are dropped.
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ class JoinProbation:
         except (DhtError, RpcError) as exc:
             log.warning("join_probation_unjudged", round=report.round, error=str(exc))
             return
-        theirs = [s.get("distance") for s in summaries]
-        theirs = [float(d) for d in theirs if _distance(d)]
+        # a peer's round that averaged nothing (alone, failed, excluded) measured no distance
+        theirs = [
+            float(s["distance"])
+            for s in summaries
+            if _distance(s.get("distance")) and _averaged(s) and s["distance"] > 0
+        ]
         verdict = {"round": report.round, "distance": report.distance, "peers": len(theirs)}
         if not theirs:
             log.info("join_probation_unjudged", round=report.round, reason="no peer published a distance")
@@ -93,6 +98,11 @@ class JoinProbation:
                 f"its first serving round stood {report.distance:.3g} from the average, "
                 f"{times:.1f}x the median {reference:.3g} of {len(theirs)} peers"
             )
+
+
+def _averaged(summary: dict) -> bool:
+    group, success = summary.get("group_size"), summary.get("averaging_success")
+    return _distance(group) and group >= 2 and _distance(success) and success > 0
 
 
 def _distance(value: object) -> bool:

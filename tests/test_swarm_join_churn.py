@@ -3,8 +3,8 @@ worker and gains one every ~12 s, on every stage in turn, head and tail included
 as well as a calm one.
 
 It runs ``benchmarks/join_churn.py`` for one seed (the benchmark drives ``tools/swarm.py up``,
-``kill-worker`` and ``add-worker`` as an operator would, then a calm run of the same swarm)
-and holds its figures to the bounds: no sample lost or done twice, no 64-sample window after
+``kill-worker`` and ``add-worker`` as an operator would, from the 512th sample on, then a calm
+run of the same swarm) and holds its figures to the bounds: no sample lost or done twice, no 64-sample window after
 the first 512 above 1.5x the one before it, the exported model's held-out loss within 5 % of
 the calm run's. The benchmark runs the same over ten seeds.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Joins under churn, judged by the model: a swarm loses a worker and gains one every ~12 s.
 
-    python benchmarks/join_churn.py [--json] [--seeds 10] [--samples 4096] [--interval 12]
+    python benchmarks/join_churn.py [--json] [--seeds 10] [--samples 6144] [--interval 12]
                                     [--settle-samples 512] [--replicas 3] [--smoke]
 
 Each seed is one run of ``tools/swarm.py up`` (authorized, ``--replicas`` workers per stage,
@@ -9,8 +9,8 @@ the main job's trainer) over ``--samples`` samples, exported and scored on the h
 at its end. Once the trainer completed ``--settle-samples`` (512: the loss windows are judged
 from there, and the learning-rate warm-up is behind it; a kill right at the warm-up's peak
 can set a tiny run back for good, which ``--settle-samples 0`` shows), the driver SIGKILLs
-the newest worker of a stage (``swarm.py kill-worker``) every ``--interval`` s (+-25 %, drawn
-from the seed), and half an interval later adds one (``swarm.py add-worker``): the newcomer
+the newest worker of a stage (``swarm.py kill-worker``) at once and then every ``--interval``
+s (+-25 %, drawn from the seed), and half an interval after each adds one (``swarm.py add-worker``): the newcomer
 downloads its stage's state from the live replicas, passes weight and optimizer sync, then
 serves. The stage cycles
 through every stage from a start drawn from the seed, so joins land on head, bodies and tail
@@ -134,7 +134,7 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
                 if wait_or_end(proc, 0.5, deadline):
                     break
             stage = churn.randrange(stages) if churn else 0
-            kill_at = time.monotonic() + args.interval / 2
+            kill_at = time.monotonic()
             while churn is not None and proc.poll() is None:
                 # Kills keep their pace however long an add takes (it returns once the newcomer
                 # serves): one every interval, the add half an interval after it.
@@ -246,7 +246,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=6144)
     parser.add_argument("--interval", type=float, default=12.0, help="seconds between kills")
     parser.add_argument(
         "--settle-samples",

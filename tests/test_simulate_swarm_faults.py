@@ -55,7 +55,9 @@ def test_a_swarm_through_every_kind_of_fault_settles_with_nothing_lost_and_repli
 
 def test_replicas_that_drop_the_average_are_caught_by_the_agreement_check(monkeypatch):
     # the delta rule skipped: every replica keeps its own weights after a "clean" round
-    monkeypatch.setattr(Averager, "_apply", lambda self, ranges, pieces: self._optimizer.step)
+    monkeypatch.setattr(
+        Averager, "_apply", lambda self, ranges, pieces, snapshot: (self._optimizer.step, 0.0)
+    )
     calm = SwarmScenario(
         **{**FAULTY.__dict__, "faults": SwarmFaults(), "duration_s": 6.0, "workers_per_stage": 2}
         | {"worker_departures_per_min": 0.0, "worker_joins_per_min": 0.0}

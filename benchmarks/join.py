@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Method
-from agora_core.dht import DhtNode
+from agora_core.dht import BlockingDht, DhtNode
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig
@@ -43,6 +42,10 @@ from agora_core.testing import spawn_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
+sys.path.insert(0, str(ROOT / "tools"))
+from swarm_processes import Member, SwarmFile  # noqa: E402  (tools/ is not a package)
+from swarm_status import light_member  # noqa: E402
+
 ENV = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
 
 
@@ -110,25 +113,40 @@ async def download_figures(report: Report, mb: float, link: str) -> None:
             await seed.stop()
 
 
-def _members(run_dir: Path) -> dict[str, str]:
-    path = run_dir / "swarm.json"
-    if not path.exists():
-        return {}
-    return {m["name"]: m["address"] for m in json.loads(path.read_text())["members"] if m.get("address")}
+def _stage_workers(run_dir: Path, stage: int) -> list[Member]:
+    """The live workers of ``stage`` that serve at an address, in start order, as the swarm
+    tool keeps them (RUN_DIR/swarm.json)."""
+    if not (run_dir / "swarm.json").exists():
+        return []
+    members = SwarmFile.load(run_dir).members
+    return [m for m in members if m.role == "worker" and m.stage == stage and m.alive and m.address]
 
 
-def _poll(address: str | None) -> dict | None:
-    """``worker.info`` of ``address``; None when it is unknown or does not answer."""
+class SwarmReader:
+    """Reads workers' ``worker.info`` as a light member of the swarm in RUN_DIR (in an
+    authorized swarm, with a monitor credential from its authorizer), as the swarm tool does."""
 
-    async def call() -> dict:
-        async with RpcClient() as client:
-            return await info(client, address)
+    def __init__(self, run_dir: Path):
+        self._run_dir = run_dir
+        self._dht: BlockingDht | None = None
 
-    if not address:
+    def info(self, address: str | None) -> dict | None:
+        """``worker.info`` of ``address``; None when it is unknown or does not answer."""
+        if not address:
+            return None
+        if self._dht is None:
+            swarm = SwarmFile.load(self._run_dir)
+            if not swarm.seed_address:
+                return None
+            self._dht = BlockingDht(run_node=light_member(swarm))
+            self._dht.start()
+        with contextlib.suppress(AgoraError, TimeoutError):
+            return self._dht.submit(self._dht.client.call(address, Method.WORKER_INFO, timeout_s=5)).meta
         return None
-    with contextlib.suppress(AgoraError, TimeoutError):
-        return asyncio.run(call())
-    return None
+
+    def close(self) -> None:
+        if self._dht is not None:
+            self._dht.stop()
 
 
 def time_to_serve(report: Report) -> None:
@@ -147,17 +165,20 @@ def time_to_serve(report: Report) -> None:
             "--no-export",
         ]
         up = subprocess.Popen([sys.executable, SWARM, *up_args], stdout=log, stderr=subprocess.STDOUT)
+        reader = SwarmReader(run_dir)
         try:
             report.note(f"a tiny swarm trains until its stages pass step {sync.stale_after_steps + 5}")
             deadline = time.monotonic() + 600
             while True:
                 if time.monotonic() > deadline or up.poll() is not None:
                     raise SystemExit(f"the swarm did not get going:\n{Path(log.name).read_text()}")
-                current = _poll(_members(run_dir).get("worker-1-0"))
+                workers = _stage_workers(run_dir, 1)
+                current = reader.info(workers[0].address) if workers else None
                 if current and current["step"] > sync.stale_after_steps + 5:
                     break
                 time.sleep(1.0)
-            step_before = current["step"]
+            step_before, veteran = current["step"], workers[0]
+            known = {m.name for m in SwarmFile.load(run_dir).members}
             started = time.monotonic()
             adder = subprocess.Popen(
                 [sys.executable, SWARM, "add-worker", "1", "--run-dir", str(run_dir)],
@@ -166,7 +187,8 @@ def time_to_serve(report: Report) -> None:
             seen: dict[str, float] = {}
             forwards_when_serving = None
             while time.monotonic() < started + 600 and "first_forward" not in seen:
-                state = _poll(_members(run_dir).get("worker-1-2"))
+                newcomer = next((m for m in _stage_workers(run_dir, 1) if m.name not in known), None)
+                state = reader.info(newcomer.address) if newcomer else None
                 if state is not None:
                     now = time.monotonic() - started
                     seen.setdefault("answered", now)
@@ -180,9 +202,10 @@ def time_to_serve(report: Report) -> None:
                         seen["first_forward"] = now
                 time.sleep(0.2)
             adder.wait(timeout=60)
-            current = _poll(_members(run_dir).get("worker-1-0"))
+            current = reader.info(veteran.address) or current
             step_rate = (current["step"] - step_before) / (time.monotonic() - started)
         finally:
+            reader.close()
             up.terminate()  # `up` stops its nodes on SIGTERM; `down` makes sure
             try:
                 up.wait(timeout=120)

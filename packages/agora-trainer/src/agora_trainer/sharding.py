@@ -17,13 +17,14 @@ first training documents (never from validation ones), then shards with it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import multiprocessing
-import multiprocessing.pool
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from agora_trainer.tokenize_jobs import JobResult, run_job, start_worker, tokeni
 from agora_trainer.tokenizer import Tokenizer
 
 PARALLELISM = "TOKENIZERS_PARALLELISM"  # the tokenizers library's switch for its own threads
+# A job is one corpus batch: seconds of work even on a loaded host. Only a stuck worker
+# takes this long, and then make_shards fails instead of waiting forever.
+JOB_DEADLINE_S = 600.0
 # progress(text bytes kept, documents kept, input bytes read, input bytes in all)
 Progress = Callable[[int, int, int, int], None]
 
@@ -200,35 +204,78 @@ def _tokenized(jobs: Iterator[Job], tokenizer: Tokenizer, workers: int) -> Itera
     with _worker_pool(workers, (tokenizer.to_json(), tokenizer.kind, tokenizer.vocab_size)) as pool:
 
         def results() -> Iterator[JobResult]:
-            pending: deque = deque()
-            for job in jobs:
-                pending.append(pool.apply_async(tokenize_job, (job,)))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
+            pending: deque[concurrent.futures.Future] = deque()
+            with _worker_failures():
+                for job in jobs:
+                    pending.append(pool.submit(tokenize_job, job))
+                    if len(pending) >= 2 * workers:
+                        yield pending.popleft().result(timeout=JOB_DEADLINE_S)
+                while pending:
+                    yield pending.popleft().result(timeout=JOB_DEADLINE_S)
 
         yield results()
 
 
 @contextlib.contextmanager
-def _worker_pool(workers: int, args: tuple) -> Iterator[multiprocessing.pool.Pool]:
+def _worker_failures() -> Iterator[None]:
+    """A worker that died or got stuck fails make_shards with a ShardError: never a hang."""
+    try:
+        yield
+    except BrokenProcessPool as e:
+        raise ShardError(
+            "a tokenizing worker process died (killed by a signal, or out of memory); "
+            "no shard set was written: run again, or with fewer workers"
+        ) from e
+    except concurrent.futures.TimeoutError as e:
+        raise ShardError(
+            f"a tokenizing worker returned nothing in {JOB_DEADLINE_S:g} s; no shard set was written"
+        ) from e
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, args: tuple) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
     """Forked workers where the platform forks: they start in milliseconds and need no
     importable ``__main__`` (spawned ones re-import the caller's script). A forked child of a
     process whose tokenizers thread pool ran (learning a BPE does) runs single-threaded; saying
-    so in the environment first keeps the library from warning about it in every child."""
+    so in the environment first keeps the library from warning about it in every child.
+
+    A process pool executor, not ``multiprocessing.Pool``: when a worker dies (a signal, the
+    out-of-memory killer), its jobs fail at once instead of never returning."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     before = os.environ.get(PARALLELISM)
     os.environ[PARALLELISM] = "false"
     try:
-        pool = multiprocessing.get_context(method).Pool(workers, initializer=start_worker, initargs=args)
+        pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context(method), initializer=start_worker, initargs=args
+        )
+        # the workers start now, before any shard file is open: a forked child must not inherit one
+        try:
+            with _worker_failures():
+                pool.submit(os.getpid).result(timeout=JOB_DEADLINE_S)
+        except BaseException:
+            _kill_workers(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     finally:
         if before is None:
             del os.environ[PARALLELISM]
         else:
             os.environ[PARALLELISM] = before
-    with pool:  # leaving terminates the workers, also when the caller stops reading early
+    try:
         yield pool
+    except BaseException:
+        _kill_workers(pool)  # a stuck worker would hold the shutdown below forever
+        raise
+    finally:  # also when the caller stops reading early: the queued jobs are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """SIGKILL the pool's processes: the executor sees them die and stops its own thread
+    (Python before 3.14 has no public call that stops a pool's processes)."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+        process.join(timeout=10)
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:

@@ -229,7 +229,7 @@ def up(
         (run_dir / sub).mkdir(exist_ok=True)
     if (run_dir / "swarm.json").exists():
         old = SwarmFile.load(run_dir)
-        if any(m.alive and alive(m.pid) for m in old.members):
+        if any(m.alive and alive(m.pid, m.started) for m in old.members):
             raise click.ClickException(f"a swarm is already running in {run_dir}: `swarm.py down` it first")
     # A fresh run (keys are kept): no old logs, loss curves, trainer positions, checkpoints.
     shutil.rmtree(run_dir / "data", ignore_errors=True)
@@ -381,7 +381,9 @@ def status(run_dir) -> None:
 def dashboard(run_dir) -> None:
     """Print the URL of the running swarm's dashboard (its health monitor)."""
     swarm = SwarmFile.load(run_dir)
-    monitor = next((m for m in swarm.members if m.role == "monitor" and m.alive and alive(m.pid)), None)
+    monitor = next(
+        (m for m in swarm.members if m.role == "monitor" and m.alive and alive(m.pid, m.started)), None
+    )
     if monitor is None:
         raise click.ClickException(f"no monitor is running in {run_dir}")
     click.echo(monitor.address)

@@ -45,6 +45,9 @@ class Member:
     address: str = ""
     alive: bool = True
     node_id: str = ""
+    # when the process started (clock ticks since boot; 0: unknown): a pid alone may be
+    # another process's by the time `down` or `kill-worker` acts on it
+    started: int = 0
 
 
 @dataclass
@@ -137,7 +140,7 @@ def start_seed(swarm: SwarmFile) -> subprocess.Popen:
         credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "dht")
         args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
     proc = spawn(args, log)
-    member = Member("dht", "dht", proc.pid, str(log))
+    member = Member("dht", "dht", proc.pid, str(log), started=process_start(proc.pid))
     swarm.members.append(member)
     address = wait_serving(member, proc)
     # in an authorized swarm the bootstrap address names the seed's key: <hex key>@address
@@ -152,7 +155,7 @@ def start_authorizer(swarm: SwarmFile) -> subprocess.Popen:
     run_dir = Path(swarm.run_dir)
     log = run_dir / "logs" / "authorizer.log"
     proc = spawn(swarm_authorizer.serve_args(run_dir, swarm.config, swarm.seed_address), log)
-    member = Member("authorizer", "authorizer", proc.pid, str(log))
+    member = Member("authorizer", "authorizer", proc.pid, str(log), started=process_start(proc.pid))
     swarm.members.append(member)
     swarm.save()
     member.address = swarm.authorizer_address = wait_serving(member, proc)
@@ -180,7 +183,9 @@ def start_monitor(swarm: SwarmFile, *, http: str = "127.0.0.1:0", period_s: floa
         credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "monitor")
         args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
     proc = spawn(args, log)
-    member = Member("monitor", "monitor", proc.pid, str(log), node_id=key.node_id)
+    member = Member(
+        "monitor", "monitor", proc.pid, str(log), node_id=key.node_id, started=process_start(proc.pid)
+    )
     swarm.members.append(member)
     swarm.save()
     member.address = wait_for_line(proc, log, DASHBOARD_PREFIX, STARTUP_TIMEOUT_S)
@@ -239,7 +244,9 @@ def start_worker(
         swarm_authorizer.pin(run_dir, node_id, stage)
     log = run_dir / "logs" / f"{name}.log"
     proc = spawn(_worker_args(swarm, stage, name, extra), log, swarm.node_flags()[1])
-    member = Member("worker", name, proc.pid, str(log), stage=stage, node_id=node_id)
+    member = Member(
+        "worker", name, proc.pid, str(log), stage=stage, node_id=node_id, started=process_start(proc.pid)
+    )
     swarm.members.append(member)
     swarm.save()
     return member, proc
@@ -258,7 +265,7 @@ def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, 
     process and where its lines begin in the (appended) log."""
     if member.role != "worker" or member.stage is None:
         raise click.ClickException(f"{member.name} is not a worker")
-    if member.alive and alive(member.pid):
+    if member.alive and alive(member.pid, member.started):
         raise click.ClickException(f"{member.name} is still running (pid {member.pid})")
     if swarm.authorized:  # back on the stage whose checkpoints it holds
         swarm_authorizer.pin(
@@ -267,7 +274,7 @@ def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, 
     log = Path(member.log)
     offset = log.stat().st_size if log.exists() else 0
     proc = spawn(_worker_args(swarm, member.stage, member.name, ("--resume",)), log, swarm.node_flags()[1])
-    member.pid, member.alive, member.address = proc.pid, True, ""
+    member.pid, member.started, member.alive, member.address = proc.pid, process_start(proc.pid), True, ""
     swarm.save()
     return proc, offset
 
@@ -321,12 +328,24 @@ def start_trainer(
         args += ["--max-samples", str(samples)]
     args += extra
     proc = spawn(args, log, env)
-    swarm.members.append(Member("trainer", name, proc.pid, str(log)))
+    swarm.members.append(Member("trainer", name, proc.pid, str(log), started=process_start(proc.pid)))
     swarm.save()  # at once: if starting the next one fails, `up` still stops this one
     return proc
 
 
-def alive(pid: int) -> bool:
+def process_start(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (0 where /proc cannot say)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold ")"
+
+
+def alive(pid: int, started: int = 0) -> bool:
+    """Whether process ``pid`` runs, and is still the one that started at ``started``."""
+    if started and process_start(pid) not in (0, started):
+        return False  # the pid now belongs to another process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -343,7 +362,11 @@ def alive(pid: int) -> bool:
 
 def kill_last_worker(swarm: SwarmFile, stage: int) -> Member | None:
     """SIGKILL the last started live worker of ``stage`` (None if it has none)."""
-    live = [m for m in swarm.members if m.role == "worker" and m.stage == stage and m.alive and alive(m.pid)]
+    live = [
+        m
+        for m in swarm.members
+        if m.role == "worker" and m.stage == stage and m.alive and alive(m.pid, m.started)
+    ]
     if not live:
         return None
     victim = live[-1]
@@ -357,15 +380,15 @@ def stop_all(swarm: SwarmFile, timeout_s: float = 20.0) -> None:
     """SIGTERM trainers first (their lanes finish), then workers, then the authorizer, then the
     seed; SIGKILL stragglers."""
     for role in STOP_ORDER:
-        members = [m for m in swarm.members if m.role == role and alive(m.pid)]
+        members = [m for m in swarm.members if m.role == role and alive(m.pid, m.started)]
         for m in members:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(m.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while any(alive(m.pid) for m in members) and time.monotonic() < deadline:
+        while any(alive(m.pid, m.started) for m in members) and time.monotonic() < deadline:
             time.sleep(0.1)  # other processes' exits: polled with a deadline
         for m in members:
-            if alive(m.pid):
+            if alive(m.pid, m.started):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(m.pid, signal.SIGKILL)
     for m in swarm.members:

@@ -177,10 +177,10 @@ def describe_swarm(swarm) -> list[str]:
     else:
         lines.append("  admission  open: no authorizer")
     for m in swarm.members:
-        state = "running" if m.alive and alive(m.pid) else "stopped"
+        state = "running" if m.alive and alive(m.pid, m.started) else "stopped"
         stage = "" if m.stage is None else f"stage {m.stage}"
         lines.append(f"  {m.role:<10} {m.name:<11} {stage:<8} pid {m.pid:<7} {state:<8} {m.address}")
-    running = any(m.role == "dht" and m.alive and alive(m.pid) for m in swarm.members)
+    running = any(m.role == "dht" and m.alive and alive(m.pid, m.started) for m in swarm.members)
     if running and swarm.seed_address:
 
         async def once() -> dict:

@@ -88,6 +88,8 @@ def abandoned_ids(swarm: DrivenSwarm) -> set[int]:
 
 
 def last_loss(losses: list[float], count: int) -> float:
+    """The mean loss of the last tenth (at least 16) of the first ``count`` samples; 0 without
+    any (a run too short to complete one)."""
     window = max(16, count // 10)
     tail = losses[:count][-window:]
-    return sum(tail) / len(tail)
+    return sum(tail) / len(tail) if tail else 0.0

@@ -5,11 +5,14 @@ workers that died and restart a trainer that crashed, so it starts the same proc
 the same functions (``tools/swarm_processes.py``: the DHT seed, the authorizer, the health
 monitor, workers placed and pinned by the authorizer, trainers) and keeps them itself. Every
 call that writes RUN_DIR/swarm.json holds one lock: replacements run on threads.
+
+Also :func:`run_up`: ``swarm.py up`` as a user runs it, to its end, with a deadline.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -26,6 +29,46 @@ from agora_core.identity import NodeKey  # noqa: E402
 from swarm import default_shards_dir, ensure_shards  # noqa: E402, F401  (churn.py takes default_shards_dir from here)
 from swarm_authorizer import authorize  # noqa: E402
 from swarm_operator import credential_file, key_file, prepare_operator  # noqa: E402
+
+SWARM = str(ROOT / "tools" / "swarm.py")
+UP_STOP_S = 60.0  # `up` stopping its nodes on SIGTERM (trainers, then workers, then the rest)
+DOWN_S = 120.0  # `swarm.py down`
+
+
+def run_up(flags: list[str], run_dir: Path, *, timeout_s: float, capture: bool = False, quiet: bool = False):
+    """``swarm.py up FLAGS --run-dir RUN_DIR`` to its end (a CompletedProcess; ``capture``: its
+    output as text, ``quiet``: its stdout dropped). TimeoutError after ``timeout_s``; every node
+    it started is stopped however it ends."""
+    stdout = subprocess.PIPE if capture else subprocess.DEVNULL if quiet else None
+    command = [sys.executable, SWARM, "up", *flags, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE if capture else None, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"`swarm.py up` in {run_dir} to finish, within {timeout_s:g} s") from None
+    finally:
+        stop_up(proc, run_dir)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def stop_up(proc: subprocess.Popen, run_dir: Path, *, down: bool = False) -> None:
+    """Stop a ``swarm.py up`` still running and the nodes it started: SIGTERM first (it stops
+    its nodes in order; SIGKILL would leave them running, each in its own session), then
+    ``swarm.py down`` for any it left (``down``: also after a clean exit, for nodes another
+    command such as ``add-worker`` started)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=UP_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
+    # an `up` that exits 0, by itself or on SIGTERM, stopped its nodes on the way out
+    if (down or proc.returncode != 0) and (run_dir / "swarm.json").exists():
+        command = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
+        subprocess.run(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=DOWN_S, check=False
+        )
 
 
 @dataclass

@@ -10,6 +10,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
+from _harness import waiting_for
+
 
 @dataclass
 class Figure:
@@ -44,7 +46,9 @@ class Report:
         return self.add(name, value, unit, baseline=baseline, ratio=value / baseline, target=target)
 
     def note(self, text: str) -> None:
-        """Progress and context for humans; silent in --json mode."""
+        """Progress and context for humans; silent in --json mode. Also what the benchmark
+        waits for, should its deadline pass."""
+        waiting_for(text)
         if not self.as_json:
             print(f"# {text}", file=sys.stderr, flush=True)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Admission benchmark: the full flow (request -> checks -> credential) under a crowd of joiners.
 
-    python benchmarks/admission.py [--joiners 200] [--repeat 3] [--backends sqlite,postgresql] [--json]
+    python benchmarks/admission.py [--joiners 200] [--repeat 3] [--backends sqlite,postgresql]
+                                   [--json] [--smoke]
 
 For each backend a real authorizer process (``agora-authorizer serve``) admits ``--joiners``
 concurrent simulated joiners (each its own key and RPC server on 127.0.0.1, answering the
@@ -22,12 +23,15 @@ Figures per backend:
 
 The crowd runs in this process and the authorizer in another, on the same cores: the figures
 are the machine's, not the authorizer's alone.
+
+``--smoke``: one crowd of 2 joiners through each backend (PostgreSQL only where installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -35,10 +39,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
+
+ADMISSION_WAIT_S = 600.0  # a joiner's wait for its credential, in the largest crowd
 
 
 async def crowd(authz, count: int) -> list[TestJoiner]:
@@ -48,7 +55,7 @@ async def crowd(authz, count: int) -> list[TestJoiner]:
 async def admit_all(joiners: list[TestJoiner], account: str, token: str) -> tuple[float, list]:
     started = time.perf_counter()
     await asyncio.gather(*(j.join(account, token) for j in joiners))
-    final = await asyncio.gather(*(j.admission.wait(timeout_s=600) for j in joiners))
+    final = await asyncio.gather(*(j.admission.wait(timeout_s=ADMISSION_WAIT_S) for j in joiners))
     return time.perf_counter() - started, final
 
 
@@ -91,10 +98,12 @@ async def measure(report: Report, backend: str, db: Callable[[], str | None], di
     run = small_run(
         admissions_per_minute=0.0, min_bandwidth_mbps=1.0, max_latency_ms=1000.0, max_challenge_s=10.0
     )
+    report.note(f"{backend}: starting the authorizer (no rate limit)")
     with authorizer_process(directory / "open", run, db=db(), key=NodeKey.generate()) as authz:
         token = authz.add_account("bench", max_nodes=count * (args.repeat + 1))
         rates = []
         for attempt in range(args.repeat):
+            report.note(f"{backend}: starting {count} joiners' servers")
             joiners = await crowd(authz, count)
             try:
                 report.note(
@@ -103,6 +112,7 @@ async def measure(report: Report, backend: str, db: Callable[[], str | None], di
                 elapsed, statuses = await admit_all(joiners, "bench", token)
                 rates.append(count / elapsed)
                 if attempt == args.repeat - 1:
+                    report.note(f"{backend}: polls and refreshes of the last crowd")
                     baseline = await poll_rate(joiners)
                     refresh, poll = await refresh_latency(authz, joiners, statuses, min(50, count))
             finally:
@@ -115,8 +125,10 @@ async def measure(report: Report, backend: str, db: Callable[[], str | None], di
         report.compare(f"{backend}.refresh_ms", refresh, poll, "ms (median)")
     # 2. fairness, bucket on
     run = small_run(admissions_per_minute=args.rate, admission_burst=1)
+    report.note(f"{backend}: starting the authorizer ({args.rate:g} admissions/min)")
     with authorizer_process(directory / "paced", run, db=db(), key=NodeKey.generate()) as authz:
         token = authz.add_account("bench", max_nodes=count * 2)
+        report.note(f"{backend}: starting {count} joiners' servers")
         joiners = await crowd(authz, count)
         try:
             report.note(f"{backend}: the same crowd through a bucket of {args.rate:g}/min")
@@ -134,6 +146,32 @@ async def measure(report: Report, backend: str, db: Callable[[], str | None], di
             await asyncio.gather(*(j.close() for j in joiners), return_exceptions=True)
 
 
+def start_postgres(stack: contextlib.ExitStack, report: Report, smoke: bool) -> str | None:
+    """A throwaway PostgreSQL server's URL (stopped with ``stack``); None under --smoke where
+    none can run here, so that the smoke still proves the SQLite path."""
+    # imported here: psycopg is a dev requirement, which a SQLite-only run does without
+    from agora_core.testing_postgres import PostgresUnavailable, postgres_server
+
+    report.note("starting a throwaway PostgreSQL server")
+    try:
+        return stack.enter_context(postgres_server())
+    except PostgresUnavailable as error:
+        if not smoke:
+            raise
+        report.note(f"--smoke: PostgreSQL left out, it cannot run here: {error}")
+        return None
+
+
+async def measure_postgres(report: Report, directory: Path, args) -> None:
+    """``measure`` on a throwaway PostgreSQL server, a fresh database per authorizer."""
+    from agora_core.testing_postgres import create_database
+
+    with contextlib.ExitStack() as stack:
+        server = start_postgres(stack, report, args.smoke)
+        if server is not None:
+            await measure(report, "postgresql", lambda: create_database(server), directory, args)
+
+
 async def main_async(args) -> None:
     report = Report("admission", as_json=args.json)
     with tempfile.TemporaryDirectory(prefix="agora-admission-") as tmp:
@@ -142,10 +180,7 @@ async def main_async(args) -> None:
             if backend == "sqlite":
                 await measure(report, backend, lambda: None, directory, args)
             elif backend == "postgresql":
-                from agora_core.testing_postgres import create_database, postgres_server
-
-                with postgres_server() as server:
-                    await measure(report, backend, lambda: create_database(server), directory, args)
+                await measure_postgres(report, directory, args)
             else:
                 sys.exit(f"unknown backend {backend!r}: sqlite or postgresql")
     report.finish()
@@ -161,8 +196,8 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="crowds through the unpaced authorizer (median)"
     )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=900)
+    args = _harness.parse(parser, smoke={"joiners": 2, "repeat": 1})
     configure_logging(fmt="console", level="warning")
     asyncio.run(main_async(args))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Averaging benchmark: Agora's butterfly all-reduce against torch.distributed gloo.
 
-    python benchmarks/allreduce.py [--json] [--megabytes 100] [--rounds 7] [--peers 4]
+    python benchmarks/allreduce.py [--json] [--megabytes 100] [--rounds 7] [--peers 4] [--smoke]
 
 Figures:
   (a) time to average a --megabytes float32 vector among --peers processes on loopback, vs
@@ -20,6 +20,9 @@ Figures:
 
 Every peer is its own OS process (a bare RPC server, client and reduction board: no worker,
 no DHT), so the figures are the all-reduce's own.
+
+``--smoke``: 2 peers, a 0.1 MB vector, one round of each kind, (a), (b) and (c) (with a chunk
+timeout of 1 s).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.allocator import tune_for_large_messages
 from agora_core.config.run import TransportConfig
@@ -56,6 +61,12 @@ LINK_BITS_PER_S = 200e6
 # round needs.
 PEER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 START_LEAD_S = 0.2  # a round starts this long after its commands go out, on every peer at once
+AGORA_START_S = 120.0  # a peer process up and listening
+GLOO_START_S = 180.0  # gloo peers importing torch and meeting at the store
+# gloo's wait for its peers in any collective (torch's default: 30 minutes); the parent gives
+# up on a round sooner, this only ends a peer left waiting
+GLOO_TIMEOUT_S = 600.0
+ROUND_MARGIN_S = 60.0  # the parent's wait for a round's reply beyond the round's own timeout
 
 
 # --- peers (each runs as `allreduce.py --serve ...` in its own process) -------------------------
@@ -120,7 +131,13 @@ def serve_gloo(rank: int, world: int, port: int, values_count: int) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+    )
     original = torch.from_numpy(np.random.default_rng(rank).standard_normal(values_count, dtype=np.float32))
     tensor = original.clone()
     print("READY", flush=True)
@@ -160,7 +177,7 @@ class Swarm:
             child = stack.enter_context(spawn_python(args + (["--link", link] if link else []), env=PEER_ENV))
             children.append(child)
         for child in children:
-            addresses.append(child.read_until("ADDRESS ", timeout_s=120))
+            addresses.append(child.read_until("ADDRESS ", timeout_s=AGORA_START_S))
         return cls(stack, children, addresses)
 
     @classmethod
@@ -176,7 +193,7 @@ class Swarm:
             for i in range(peers)
         ]
         for child in children:
-            child.read_until("READY", timeout_s=180)
+            child.read_until("READY", timeout_s=GLOO_START_S)
         return cls(stack, children, [])
 
     def run(
@@ -210,7 +227,7 @@ class Swarm:
             if i in die:
                 outcomes.append(None)
                 continue
-            outcomes.append(json.loads(child.read_until("DONE ", timeout_s=timeout_s + 60)))
+            outcomes.append(json.loads(child.read_until("DONE ", timeout_s=timeout_s + ROUND_MARGIN_S)))
         return outcomes
 
 
@@ -226,45 +243,19 @@ def slowest(outcomes) -> float:
     return max(o["seconds"] for o in outcomes if o is not None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--megabytes", type=float, default=100.0, help="vector size (10^6 bytes)")
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds on loopback")
-    parser.add_argument("--link-rounds", type=int, default=1, help="rounds under link emulation")
-    parser.add_argument("--loopback-only", action="store_true", help="only figure (a)")
-    parser.add_argument(
-        "--chunk-bytes",
-        type=int,
-        default=TransportConfig().chunk_bytes,
-        help="averaging chunk size (default: the run config's)",
-    )
-    parser.add_argument("--serve", choices=["agora", "gloo"], help=argparse.SUPPRESS)
-    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--values", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--link", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve == "agora":
-        asyncio.run(serve_agora(args.index, args.values, args.chunk_bytes, args.link))
-        return
-    if args.serve == "gloo":
-        serve_gloo(args.index, args.peers, args.port, args.values)
-        return
-
-    payload = int(args.megabytes * 1e6)
-    values_count = payload // 4
-    n = args.peers
-    report = Report("allreduce", as_json=args.json)
-    report.note(f"{n} peers, {payload / 1e6:g} MB float32 each, chunks of {args.chunk_bytes / 2**20:g} MiB")
+def loopback_figures(report: Report, args: argparse.Namespace) -> None:
+    """(a): Agora against gloo on loopback, interleaved rounds."""
+    values_count, n = int(args.megabytes * 1e6) // 4, args.peers
     with contextlib.ExitStack() as stack:
+        report.note(f"starting {n} Agora peers and {n} gloo peers")
         agora = Swarm.agora(stack, n, values_count, args.chunk_bytes, None)
         gloo = Swarm.gloo(stack, n, values_count)
+        report.note("a warm-up round of each")
         agora.run()  # warm up connections and allocators, then measure
         gloo.run()
         ours, theirs, weighted = [], [], []
         for r in range(args.rounds):
+            report.note(f"round {r + 1} of {args.rounds} on loopback")
             ours.append(slowest(agora.run()))
             theirs.append(slowest(gloo.run()))
             weighted.append(slowest(gloo.run(weighted=True)))
@@ -286,12 +277,15 @@ def main() -> None:
             "s (vs gloo: weights applied, all_reduce, divided by the total weight)",
         )
 
-    if args.loopback_only:
-        report.finish()
-        return
+
+def linked_figures(report: Report, args: argparse.Namespace) -> None:
+    """(b) and (c): under link emulation, clean rounds, then a round in which a sender dies."""
+    payload = int(args.megabytes * 1e6)
+    n = args.peers
     with contextlib.ExitStack() as stack:
         report.note(f"link emulation {LINK} on every peer ...")
-        linked = Swarm.agora(stack, n, values_count, args.chunk_bytes, LINK)
+        linked = Swarm.agora(stack, n, payload // 4, args.chunk_bytes, LINK)
+        report.note(f"{args.link_rounds} rounds under link emulation")
         rounds = [linked.run() for _ in range(args.link_rounds)]
         seconds = statistics.median(slowest(outcomes) for outcomes in rounds)
         uploaded = max(o["uploaded_bytes"] for outcomes in rounds for o in outcomes)
@@ -314,7 +308,11 @@ def main() -> None:
         )
         # (c) peer n-1 only sends (it reduces nothing) and dies a third of the way into the
         # round, while most of its chunks are still on its link
-        outcomes = linked.run(reducers=list(range(n - 1)), die={n - 1: seconds / 3}, chunk_timeout_s=5.0)
+        report.note(f"a round in which peer {n - 1}, a sender, dies")
+        chunk_timeout_s = args.death_chunk_timeout_s
+        outcomes = linked.run(
+            reducers=list(range(n - 1)), die={n - 1: seconds / 3}, chunk_timeout_s=chunk_timeout_s
+        )
         survivors = [o for o in outcomes if o is not None]
         report.add("sender_death_survivors_averaged", min(o["averaged"] for o in survivors), "of the vector")
         report.add(
@@ -325,8 +323,57 @@ def main() -> None:
         report.add(
             "sender_death_round_seconds",
             slowest(survivors),
-            f"s (clean round {seconds:.3g} s; chunk timeout 5 s, round timeout 150 s)",
+            f"s (clean round {seconds:.3g} s; chunk timeout {chunk_timeout_s:g} s, round timeout 150 s)",
         )
+
+
+def serve(args: argparse.Namespace) -> None:
+    if args.serve == "agora":
+        asyncio.run(serve_agora(args.index, args.values, args.chunk_bytes, args.link))
+    else:
+        serve_gloo(args.index, args.peers, args.port, args.values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megabytes", type=float, default=100.0, help="vector size (10^6 bytes)")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds on loopback")
+    parser.add_argument("--link-rounds", type=int, default=1, help="rounds under link emulation")
+    parser.add_argument("--loopback-only", action="store_true", help="only figure (a)")
+    parser.add_argument(
+        "--death-chunk-timeout-s",
+        type=float,
+        default=5.0,
+        help="(c): how long a reducer waits for a chunk of the dead sender's (default 5)",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=TransportConfig().chunk_bytes,
+        help="averaging chunk size (default: the run config's)",
+    )
+    parser.add_argument("--serve", choices=["agora", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--values", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--link", help=argparse.SUPPRESS)
+    _harness.add_arguments(parser, deadline_s=1200)
+    if "--serve" in sys.argv[1:]:  # a peer: no deadline of its own, its parent's stops it
+        serve(parser.parse_args())
+        return
+    args = _harness.parse(
+        parser,
+        smoke={"megabytes": 0.1, "peers": 2, "rounds": 1, "link_rounds": 1, "death_chunk_timeout_s": 1.0},
+    )
+
+    report = Report("allreduce", as_json=args.json)
+    report.note(
+        f"{args.peers} peers, {args.megabytes:g} MB float32 each, chunks of {args.chunk_bytes / 2**20:g} MiB"
+    )
+    loopback_figures(report, args)
+    if not args.loopback_only:
+        linked_figures(report, args)
     report.finish()
 
 

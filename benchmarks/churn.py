@@ -3,6 +3,7 @@
 
     python benchmarks/churn.py [--json] [--duration 600] [--interval 15] [--seed 0]
                                [--config examples/tiny.toml] [--shards DIR] [--replicas 2] [--lanes 4]
+                               [--smoke]
 
 First the churn run: the tiny swarm of tools/swarm.py (authorized: an authorizer admits and
 places every node; monitored: the health monitor runs), ``--replicas`` workers per stage and
@@ -24,7 +25,8 @@ sample ids it abandoned), loss over the last samples against the calm run's at t
 sample count (target within 5%), tokens/s against the calm run (target >= 0.7x), averaging
 rounds completed against attempted (every worker's round reports, both runs), and the
 failures injected, obeyed (``injection_obeyed`` lines) and survived (training went on).
-``--duration 180`` makes a smoke test of it.
+``--duration 180`` makes a short soak of it; ``--smoke`` runs both swarms with one worker per
+stage, a failure every 2 s for 8 s.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import argparse
 import asyncio
 import random
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _harness
 from _churn_logs import abandoned_ids, last_loss, log_lines, read_losses, rounds, sample_figures, sample_order
 from _churn_swarm import ROOT, DrivenSwarm, default_shards_dir, load_run_config
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
@@ -53,6 +57,12 @@ from agora_core.schema import WorkerAnnouncement, parse_entries, stage_workers_k
 
 TRIGGERS = ("now", "after", "averaging_send", "forward", "backward", "download")
 FATAL = ("exit",)
+JOIN_DHT_S = 60.0  # the operator's node joining the swarm's DHT
+# After the churn: replacements (a start delay, then placement and serving, each with
+# swarm_processes' start-up deadline) and a trainer's restart.
+SETTLE_S = 300.0
+CALM_START_S = 300.0  # the calm trainer's start, before its first sample
+CALM_SAMPLES_PER_S = 1.0  # far below any machine's rate: only a calm run that hangs is slower
 
 
 @dataclass
@@ -101,7 +111,7 @@ class Churn:
             bootstrap=[self.swarm.swarm.seed_address],
             credential=credential,
         )
-        await self.node.start()
+        await asyncio.wait_for(self.node.start(), JOIN_DHT_S)
 
     # --- who may be hit -----------------------------------------------------------------------
 
@@ -243,11 +253,23 @@ class Churn:
                 tasks.add(asyncio.create_task(self.inject_one()))
             tasks = {t for t in tasks if not t.done()}
             await asyncio.sleep(1.0)
-        while tasks or not await asyncio.to_thread(self.swarm.trainer_running):  # replacements, a restart
+        await self.settle(tasks)
+
+    async def settle(self, tasks: set[asyncio.Task]) -> None:
+        """Wait for the replacements and a trainer's restart under way to finish."""
+        deadline = time.monotonic() + SETTLE_S
+        while tasks or not await asyncio.to_thread(self.swarm.trainer_running):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the churn's replacements and the trainer's restart, within {SETTLE_S:g} s"
+                )
             await self.keep(tasks)
             tasks = {t for t in tasks if not t.done()}
             await asyncio.sleep(1.0)
-        await self.node.stop()
+
+    async def stop(self) -> None:
+        if self.node is not None:
+            await self.node.stop()
 
 
 async def churn_run(args, report: Report) -> tuple[DrivenSwarm, Churn, float]:
@@ -259,10 +281,14 @@ async def churn_run(args, report: Report) -> tuple[DrivenSwarm, Churn, float]:
         await asyncio.to_thread(swarm.up)
         await asyncio.to_thread(swarm.start_trainer, None)
         churn = Churn(swarm, random.Random(args.seed), args.interval)
-        await churn.start()
-        report.note(f"churn run: training, a failure every {args.interval:g} s for {args.duration:g} s")
-        await churn.run(args.duration)
-        ended = time.time()  # the churn run's throughput is counted up to here
+        try:
+            report.note("churn run: the operator joins the swarm's DHT ...")
+            await churn.start()
+            report.note(f"churn run: training, a failure every {args.interval:g} s for {args.duration:g} s")
+            await churn.run(args.duration)
+            ended = time.time()  # the churn run's throughput is counted up to here
+        finally:
+            await churn.stop()
     finally:
         await asyncio.to_thread(swarm.down)
     return swarm, churn, ended
@@ -276,7 +302,13 @@ async def calm_run(args, report: Report, samples: int) -> DrivenSwarm:
     try:
         await asyncio.to_thread(swarm.up)
         trainer = await asyncio.to_thread(swarm.start_trainer, samples)
-        await asyncio.to_thread(trainer.wait)  # it stops by itself after ``samples``
+        timeout_s = CALM_START_S + samples / CALM_SAMPLES_PER_S
+        try:
+            await asyncio.to_thread(trainer.wait, timeout_s)  # it stops by itself after ``samples``
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"the calm run's trainer to finish {samples} samples, within {timeout_s:g} s"
+            ) from None
     finally:
         await asyncio.to_thread(swarm.down)
     return swarm
@@ -288,7 +320,8 @@ async def main_async(args) -> None:
     seq_len = swarm.run.model.seq_len
     order = sample_order(Path(args.shards), swarm.run)
     ours = sample_figures(read_losses(swarm.loss_log()), abandoned_ids(swarm), order, until=ended)
-    calm = await calm_run(args, report, ours["completed"])
+    # at least one sample: a trainer told 0 trains without end (a churn run too short: --smoke)
+    calm = await calm_run(args, report, max(1, ours["completed"]))
     theirs = sample_figures(read_losses(calm.loss_log()), abandoned_ids(calm), order)
     count = min(ours["completed"], theirs["completed"])
     obeyed = {
@@ -305,14 +338,16 @@ async def main_async(args) -> None:
         target="== 0",
     )
     report.add("samples_completed_twice", ours["twice"], "samples", target="== 0")
-    report.compare(
+    compare(
+        report,
         "loss_at_equal_samples",
         last_loss(ours["losses"], count),
         last_loss(theirs["losses"], count),
         f"mean loss of the last {max(16, count // 10)} of {count} samples (vs the calm run)",
         target="0.95 .. 1.05",
     )
-    report.compare(
+    compare(
+        report,
         "tokens_per_s",
         ours["samples_per_s"] * seq_len,
         theirs["samples_per_s"] * seq_len,
@@ -321,7 +356,8 @@ async def main_async(args) -> None:
     )
     attempted, completed = rounds(swarm.logs("worker"))
     calm_attempted, calm_completed = rounds(calm.logs("worker"))
-    report.compare(
+    compare(
+        report,
         "averaging_rounds_completed",
         completed / attempted if attempted else 0.0,
         calm_completed / calm_attempted if calm_attempted else 0.0,
@@ -343,9 +379,17 @@ async def main_async(args) -> None:
     report.finish()
 
 
+def compare(report: Report, name: str, value: float, baseline: float, unit: str, **kwargs) -> None:
+    """``report.compare``; without a ratio where the calm run measured 0 (a run too short to
+    measure anything: --smoke)."""
+    if baseline:
+        report.compare(name, value, baseline, unit, **kwargs)
+    else:
+        report.add(name, value, unit, baseline=baseline, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of churn (default 10 min)")
     parser.add_argument("--interval", type=float, default=15.0, help="seconds between failures")
     parser.add_argument("--seed", type=int, default=0, help="of the failure schedule")
@@ -356,7 +400,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2, help="workers per stage")
     parser.add_argument("--lanes", type=int, default=4, help="the trainer's samples in flight")
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "churn"), help="where both runs live")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=4500)
+    args = _harness.parse(parser, smoke={"duration": 8.0, "interval": 2.0, "replicas": 1, "lanes": 2})
     if args.shards is None:
         args.shards = str(default_shards_dir(load_run_config(args.config).data))
     configure_logging(fmt="console", level="warning")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coalescing benchmark: a worker serving 16 single-sample clients vs the module in-process.
 
-    python benchmarks/coalescing.py [--seconds 12] [--clients 16] [--max-batch 16] [--json]
+    python benchmarks/coalescing.py [--seconds 12] [--clients 16] [--max-batch 16] [--json] [--smoke]
 
 One worker (a body stage of the tiny example transformer, CPU) runs in its own process; this
 process runs the clients, each keeping one single-sample request in flight. Baseline: the same
@@ -10,6 +10,7 @@ for backward through the worker's own backend and optimizer (gradients accumulat
 microbatches, an optimizer step per target batch), so only the runtime's work differs.
 Figures: samples/s served vs in-process (target >= 0.85x), for forward and for backward, and
 the runtime's overhead per request (wall time not spent computing, per request).
+``--smoke``: 4 clients, batches of 2, a second per kind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Method
@@ -150,11 +152,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved measurement rounds")
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve:
-        return asyncio.run(serve(args.max_batch))
+    _harness.add_arguments(parser, deadline_s=900)
+    if "--serve" in sys.argv[1:]:  # the worker: no deadline of its own, its parent's stops it
+        return asyncio.run(serve(parser.parse_args().max_batch))
+    args = _harness.parse(parser, smoke={"seconds": 1.0, "clients": 4, "max_batch": 2, "rounds": 1})
     report = Report("coalescing", as_json=args.json)
     asyncio.run(run(report, args.seconds, args.clients, args.max_batch, args.rounds))
     report.finish()

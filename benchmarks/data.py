@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Data benchmark: shard-making throughput, BPE vs bytes, and a trainer's cost to read a sample.
 
-    python benchmarks/data.py [--mb 8] [--workers N] [--seconds 4] [--json]
+    python benchmarks/data.py [--mb 8] [--workers N] [--seconds 4] [--json] [--smoke]
 
 Shard making: ``make_shards`` on the first --mb MB of the default corpus (the standard
 library's sources), MB of text per second with --workers tokenizing processes (default: one
@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.logs import configure_logging
 from agora_trainer.cursor import SampleCursor
@@ -71,18 +72,25 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=8.0, help="MB of text to shard (default 8)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seconds", type=float, default=4.0, help="routing measurement length")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--learn-mb", type=float, default=4.0, help="MB of text the BPE is learned from")
+    _harness.add_arguments(parser, deadline_s=900)
+    args = _harness.parse(parser, smoke={"mb": 0.5, "seconds": 0.5, "learn_mb": 0.3})
     configure_logging(fmt="console", level="warning")
     report = Report("data", as_json=args.json)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        report.note(f"learning a {VOCAB}-id BPE from 4 MB of the standard library's sources")
+        report.note(f"learning a {VOCAB}-id BPE from {args.learn_mb:g} MB of the standard library's sources")
         started = time.perf_counter()
-        make_shards(tmp / "learned", shards=1, tokenizer=TrainBpe(VOCAB), max_bytes=4_000_000, workers=1)
-        learn_s = time.perf_counter() - started  # includes tokenizing those 4 MB once, in one process
+        make_shards(
+            tmp / "learned",
+            shards=1,
+            tokenizer=TrainBpe(VOCAB),
+            max_bytes=int(args.learn_mb * 1e6),
+            workers=1,
+        )
+        learn_s = time.perf_counter() - started  # includes tokenizing that text once, in one process
         bpe = load_tokenizer(tmp / "learned", open_shard_set(tmp / "learned").tokenizer)
-        report.add("bpe_learn_and_shard_4mb", learn_s, "s")
+        report.add(f"bpe_learn_and_shard_{args.learn_mb:g}mb", learn_s, "s")
         report.note(f"sharding {args.mb:g} MB with {args.workers} workers: bytes, then BPE")
         bytes_rate = shard_rate(tmp / "bytes", ByteTokenizer(), args.mb, args.workers)
         report.add(f"make_shards bytes workers={args.workers}", bytes_rate, "MB/s")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """DHT benchmark: one-hop operation latency, gossip convergence and steady-state traffic.
 
-    python benchmarks/dht.py [--sizes 16 32 64 128] [--ops 300] [--latency-ms 0] [--json]
+    python benchmarks/dht.py [--sizes 16 32 64 128] [--ops 300] [--latency-ms 0] [--json] [--smoke]
 
 For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
   * get and store latency p50/p99 against one plain RPC round trip between two of the same
@@ -25,6 +25,9 @@ For each swarm size N (all nodes in this process, real sockets on 127.0.0.1):
     cores that swarm does not converge within the benchmark's wait. One node per process, as
     a run has them, keeps 256 connections.
 
+``--smoke``: one swarm of 4 nodes at a fast gossip cadence, a few operations a round, plain
+and authenticated.
+
 With --latency-ms, every node sits behind an emulated link of that one-way latency, so
 network time dominates CPU time as it does across the internet.
 """
@@ -45,6 +48,7 @@ import time
 
 import numpy as np
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from _secured import security_of
 from agora_core.config.run import DhtConfig
@@ -60,6 +64,8 @@ from agora_core.testing import spawn_python
 # The run config's defaults (1 s periods, 5 s suspicion timeout): a real swarm's cadence, and
 # enough headroom for 128 nodes sharing one event loop on two cores.
 CONFIG = DhtConfig()
+# --smoke: a fast cadence, so the crash figures' waits take a second or two
+SMOKE_CONFIG = dataclasses.replace(CONFIG, gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0)
 ROUNDS = 5  # latency figures: the median of this many rounds of --ops operations
 
 
@@ -348,14 +354,17 @@ def main() -> None:
         "--ops", type=int, default=300, help=f"stores and gets per round ({ROUNDS} rounds per size)"
     )
     parser.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way link latency")
-    parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--auth-max-size",
         type=int,
         default=64,
         help="largest N also measured authenticated (0: none); see the docstring",
     )
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=3600)
+    args = _harness.parse(parser, smoke={"sizes": [4], "ops": 10, "auth_max_size": 4})
+    if args.smoke:
+        global CONFIG
+        CONFIG = SMOKE_CONFIG
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many sockets in one process
     configure_logging(fmt="console", level="warning")

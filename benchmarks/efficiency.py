@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Efficiency benchmark: the cost of decentralization, swarm vs centralized, same machine.
 
-    python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--rounds 3] [--idle-seconds 20] [--json]
+    python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--rounds 3] [--idle-seconds 20]
+                                    [--json] [--smoke]
 
 The tiny example model (examples/tiny.toml) trained over the same samples, in the same order:
   * centralized: ``tools/reference_train.py`` (every stage in one process, batches of
@@ -13,7 +14,8 @@ quarter of the samples, 3 replicas vs 2 (target >= 0.9x: a replica adds capacity
 and what an idle swarm burns: cores used by all its processes together with no trainer.
 Each round runs the centralized baseline and then every swarm, in turn; a ratio is taken
 within its round and the figure is the median over the rounds (values: the medians of the
-rates), so a noisy minute on a shared machine moves one round, not the figure.
+rates), so a noisy minute on a shared machine moves one round, not the figure. ``--smoke``: one
+round of 16 samples, one swarm of one worker per stage, a one-second idle window.
 
 The bound on this machine: a worker keeps nothing between a sample's forward and its backward,
 so its backward recomputes the forward. A sample costs a swarm 2 forwards + 1 backward (about
@@ -28,21 +30,23 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
-from _churn_swarm import DrivenSwarm, ensure_shards  # benchmarks/ is on sys.path as a script
+import _harness
+from _churn_swarm import DrivenSwarm, ensure_shards, run_up  # benchmarks/ is on sys.path as a script
 from _report import Report
 from swarm_results import centralized_rate  # tools/ is on sys.path once _churn_swarm is imported
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.toml"
-PYTHON = sys.executable
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SWARM_RUN_S = 1800.0  # one `swarm.py up` of --samples samples, start to end
+IDLE_REPLICAS = 2  # workers per stage of the idle swarm
+IDLE_SETTLE_S = 5.0  # an idle swarm's start-up (joins, first announcements, weight sync) settling
+SMOKE_SETTLE_S = 1.0
 
 
 def mean_tail(losses: list[float]) -> float:
@@ -65,11 +69,10 @@ def centralized(shards: Path, samples: int, folder: Path, note) -> tuple[float, 
 def swarm(shards: Path, samples: int, replicas: int, folder: Path, note) -> tuple[float, float]:
     """(samples/s, tail loss) of the main job with ``replicas`` workers per stage."""
     run_dir = folder / f"swarm-r{replicas}"
-    command = [PYTHON, str(ROOT / "tools" / "swarm.py"), "up", "--config", str(CONFIG)]
-    command += ["--shards", str(shards), "--samples", str(samples), "--replicas", str(replicas)]
-    command += ["--no-export", "--run-dir", str(run_dir), "--status-interval", "30"]
+    flags = ["--config", str(CONFIG), "--shards", str(shards), "--samples", str(samples)]
+    flags += ["--replicas", str(replicas), "--no-export", "--status-interval", "30"]
     note(f"swarm: {replicas} workers per stage, {samples} samples")
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    proc = run_up(flags, run_dir, timeout_s=SWARM_RUN_S, capture=True)
     found = re.search(r"training throughput: ([\d.]+) samples/s", proc.stdout)
     if proc.returncode != 0 or not found:
         logs = [Path(p) for p in re.findall(r"see (\S+\.log)", proc.stdout + proc.stderr)]
@@ -89,13 +92,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def idle_cores(shards: Path, replicas: int, seconds: float, folder: Path, note) -> dict[str, float]:
+def idle_cores(
+    shards: Path, replicas: int, seconds: float, folder: Path, note, settle_s: float = IDLE_SETTLE_S
+) -> dict[str, float]:
     """Cores each role's processes use, summed, in a swarm serving with no trainer."""
     driven = DrivenSwarm(folder / f"idle-r{replicas}", str(CONFIG), shards, replicas, lanes=4)
     note(f"idle swarm: {replicas} workers per stage, {seconds:g} s without a trainer")
     try:
         driven.up()
-        time.sleep(5.0)  # past start-up: joins, first announcements, weight sync settle
+        time.sleep(settle_s)  # past start-up: joins, first announcements, weight sync settle
         members = [m for m in driven.swarm.members if m.alive]
         before = {m.pid: cpu_seconds(m.pid) for m in members}
         started = time.monotonic()
@@ -121,10 +126,11 @@ def main() -> None:
     parser.add_argument(
         "--idle-seconds", type=float, default=20.0, help="idle window (0: skip the idle figure)"
     )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=2700)
+    args = _harness.parse(parser, smoke={"samples": 16, "replicas": [1], "rounds": 1, "idle_seconds": 1.0})
     report = Report("efficiency", as_json=args.json)
     shards = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swarm.py default)
+    report.note(f"the main job's shards, for {args.samples} samples")
     ensure_shards(shards, str(CONFIG), args.samples)
     with tempfile.TemporaryDirectory(prefix="agora-efficiency-") as tmp:
         folder = Path(tmp)
@@ -168,7 +174,9 @@ def main() -> None:
                 target=">= 0.9",
             )
         if args.idle_seconds > 0:
-            used = idle_cores(shards, 2, args.idle_seconds, folder, report.note)
+            # --smoke: the smallest swarm, briefly settled; it measures nothing
+            replicas, settle_s = (1, SMOKE_SETTLE_S) if args.smoke else (IDLE_REPLICAS, IDLE_SETTLE_S)
+            used = idle_cores(shards, replicas, args.idle_seconds, folder, report.note, settle_s)
             for role, cores in sorted(used.items()):
                 report.add(f"idle_{role}_cores", cores, "cores")
             report.add("idle_swarm_cores", sum(used.values()), "cores", target="nearly 0")

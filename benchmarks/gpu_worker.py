@@ -3,7 +3,8 @@
 same module trained by a plain PyTorch loop on the same GPU.
 
     python benchmarks/gpu_worker.py [--seconds 45] [--lanes N] [--step-every 128]
-                                    [--compute-weights fp32|bf16] [--json]
+                                    [--compute-weights fp32|bf16] [--width published|tiny]
+                                    [--json] [--smoke]
 
 Where CUDA is present: a worker process serves a body stage of d = 5120, k = 51, 4 blocks,
 seq 4096 on the GPU (its coalescing limit measured from free memory after warm-up
@@ -20,12 +21,17 @@ peak device memory, and host copies and uploads per step (target 1 each).
 Where CUDA is absent it says so and runs the CPU path only: a small stage with a separate host
 master (the same transfer code) through several steps of several microbatches each, giving
 ``host_copies_per_step`` and ``host_uploads_per_step``. It exits 0 either way.
+
+``--smoke``: the served path and the plain loop for half a second each on a stage at tiny.toml's
+width (``--width tiny``), on the GPU if there is one, else on the CPU (a CPU worker has no device memory and no
+host transfers, so those figures are left out); then the CPU path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -33,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.config.run import AveragingConfig, ModelConfig, OptimizerConfig, RunConfig
@@ -62,6 +69,20 @@ def gpu_run(step_every: int) -> RunConfig:
         optimizer=OptimizerConfig(target_batch_size=step_every, warmup_steps=10),
         averaging=AveragingConfig(enabled=False),  # one replica: nothing to average with
     )
+
+
+def tiny_run(step_every: int) -> RunConfig:
+    """examples/tiny.toml's width (--smoke): the same path in seconds, on a CPU too."""
+    run = load_run_config(TINY)
+    return dataclasses.replace(
+        run,
+        optimizer=dataclasses.replace(run.optimizer, target_batch_size=step_every),
+        averaging=dataclasses.replace(run.averaging, enabled=False),
+    )
+
+
+def stage_run(width: str, step_every: int) -> RunConfig:
+    return gpu_run(step_every) if width == "published" else tiny_run(step_every)
 
 
 # --- the CPU path -------------------------------------------------------------------------------
@@ -95,10 +116,10 @@ def cpu_path(report: Report, steps: int = 5, microbatches: int = 4) -> None:
 # --- the GPU path: the worker ---------------------------------------------------------------------
 
 
-async def serve(step_every: int, compute_weights: str) -> None:
+async def serve(run: RunConfig, device: str, compute_weights: str) -> None:
     configure_logging(fmt="json", level="warning")
-    settings = WorkerSettings(device="cuda", compute_weights=compute_weights, progress_interval_s=0.2)
-    worker = Worker(run=gpu_run(step_every), stage=STAGE, key=NodeKey.generate(), settings=settings)
+    settings = WorkerSettings(device=device, compute_weights=compute_weights, progress_interval_s=0.2)
+    worker = Worker(run=run, stage=STAGE, key=NodeKey.generate(), settings=settings)
     print(f"ADDRESS {await worker.start()}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await worker.stop(grace_s=5)
@@ -164,10 +185,12 @@ async def worker_info(address: str) -> dict:
 # --- the GPU path: the plain loop -----------------------------------------------------------------
 
 
-def plain_loop(run: RunConfig, batch: int, step_every: int, seconds: float) -> dict:
-    """The module trained in-process: forward, recompute + backward, device AdamW."""
-    device = torch.device("cuda")
-    torch.cuda.reset_peak_memory_stats(device)
+def plain_loop(run: RunConfig, batch: int, step_every: int, seconds: float, device: torch.device) -> dict:
+    """The module trained in-process: forward, recompute + backward, device AdamW. On a CPU
+    (--smoke without CUDA) in fp32, as a CPU worker computes, and no peak memory."""
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     module = build_stage(run, STAGE).to(device)
     params = [p for p in module.parameters() if p.requires_grad]
     adamw = torch.optim.AdamW(params, lr=run.optimizer.lr, weight_decay=run.optimizer.weight_decay)
@@ -176,26 +199,33 @@ def plain_loop(run: RunConfig, batch: int, step_every: int, seconds: float) -> d
     boundary = torch.randn(batch, t, k, device=device)
     grad = torch.randn(batch, t, k, device=device)
 
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_cuda)
+
+    def synchronize() -> None:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+
     def microbatch() -> None:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), autocast():
             module(tokens, boundary)  # the forward request
         x = boundary.detach().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast():
             out = module(tokens, x)  # the backward request recomputes it
         torch.autograd.backward(out, grad)
 
     def step() -> float:
-        torch.cuda.synchronize(device)
+        synchronize()
         started = time.perf_counter()
         adamw.step()
         adamw.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+        synchronize()
         return time.perf_counter() - started
 
     microbatch()  # warm-up: kernels, the allocator, AdamW's state
     step()
     samples, since_step, step_seconds, steps = 0, 0, 0.0, 0
-    torch.cuda.synchronize(device)
+    synchronize()
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         microbatch()
@@ -205,17 +235,18 @@ def plain_loop(run: RunConfig, batch: int, step_every: int, seconds: float) -> d
             step_seconds += step()
             steps += 1
             since_step = 0
-    torch.cuda.synchronize(device)
+    synchronize()
     elapsed = time.perf_counter() - started
     return {
         "samples_per_s": samples / elapsed,
         "step_s": step_seconds / max(1, steps),
-        "peak_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else None,
     }
 
 
-def gpu_path(report: Report, args: argparse.Namespace) -> None:
-    run = gpu_run(args.step_every)
+def served_path(report: Report, args: argparse.Namespace, device: str) -> None:
+    """The worker on ``device`` through the RPC, then the plain loop on the same device."""
+    run = stage_run(args.width, args.step_every)
     command = [
         SCRIPT,
         "--serve",
@@ -224,9 +255,11 @@ def gpu_path(report: Report, args: argparse.Namespace) -> None:
         "--compute-weights",
         args.compute_weights,
     ]
+    command += ["--width", args.width, "--device", device]
     m = run.model
     report.note(
-        f"starting the worker: d={m.d_model}, k={m.subspace_rank}, {m.stage_layers[STAGE]} blocks, seq {m.seq_len}"
+        f"starting the worker on {device}: d={m.d_model}, k={m.subspace_rank}, "
+        f"{m.stage_layers[STAGE]} blocks, seq {m.seq_len}"
     )
     with spawn_python(command) as child:
         address = child.read_until("ADDRESS ", timeout_s=STARTUP_S)
@@ -234,13 +267,18 @@ def gpu_path(report: Report, args: argparse.Namespace) -> None:
         lanes = args.lanes or min(64, 2 * max_batch)
         report.note(f"worker serving, microbatches up to {max_batch} samples (measured); {lanes} lanes")
         asyncio.run(served(address, run, lanes, min(10.0, args.seconds)))  # warm-up
+        report.note(f"{lanes} lanes for {args.seconds:g} s")
         result = asyncio.run(served(address, run, lanes, args.seconds))
+        report.note("stopping the worker")
+    report.note(f"plain loop at batch {max_batch}, AdamW on the device every {args.step_every} samples")
+    loop = plain_loop(run, max_batch, args.step_every, args.seconds, torch.device(device))
+    served_figures(report, result, loop, max_batch)
+
+
+def served_figures(report: Report, result: dict, loop: dict, max_batch: int) -> None:
     before, after = result["before"], result["after"]
     steps = max(1, after["step"] - before["step"])
-    moved_before, moved_after = before["transfers"], after["transfers"]
     sizes = after["recent_batch_sizes"][-200:]
-    report.note(f"plain loop at batch {max_batch}, AdamW on the device every {args.step_every} samples")
-    loop = plain_loop(run, max_batch, args.step_every, args.seconds)
     report.compare(
         "samples_per_s",
         result["samples_per_s"],
@@ -262,22 +300,33 @@ def gpu_path(report: Report, args: argparse.Namespace) -> None:
         "s",
         target="gradients down, host AdamW, uploads queued; baseline: AdamW on the device",
     )
-    report.add("host_transfer_wait_s_per_step", (moved_after["wait_s"] - moved_before["wait_s"]) / steps, "s")
-    report.compare(
-        "peak_device_memory", after["device_memory"]["peak"], loop["peak_bytes"], "bytes", target="ratio < 1"
-    )
-    report.add(
-        "host_copies_per_step",
-        (moved_after["to_host"] - moved_before["to_host"]) / steps,
-        "transfers",
-        target="1",
-    )
-    report.add(
-        "host_uploads_per_step",
-        (moved_after["to_device"] - moved_before["to_device"]) / steps,
-        "transfers",
-        target="1",
-    )
+    # a CPU worker (--smoke without CUDA) has neither: its weights are one shared copy
+    moved_before, moved_after = before["transfers"], after["transfers"]
+    if moved_after is not None:
+        report.add(
+            "host_transfer_wait_s_per_step", (moved_after["wait_s"] - moved_before["wait_s"]) / steps, "s"
+        )
+    if after["device_memory"] is not None:
+        report.compare(
+            "peak_device_memory",
+            after["device_memory"]["peak"],
+            loop["peak_bytes"],
+            "bytes",
+            target="ratio < 1",
+        )
+    if moved_after is not None:
+        report.add(
+            "host_copies_per_step",
+            (moved_after["to_host"] - moved_before["to_host"]) / steps,
+            "transfers",
+            target="1",
+        )
+        report.add(
+            "host_uploads_per_step",
+            (moved_after["to_device"] - moved_before["to_device"]) / steps,
+            "transfers",
+            target="1",
+        )
 
 
 def main() -> None:
@@ -291,14 +340,22 @@ def main() -> None:
         help="samples per optimizer step (the published run: 1024 per stage step, over its replicas)",
     )
     parser.add_argument("--compute-weights", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--width", choices=("published", "tiny"), default="published", help="the served stage's model"
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve:
-        return asyncio.run(serve(args.step_every, args.compute_weights))
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the served worker's
+    _harness.add_arguments(parser, deadline_s=2400)
+    if "--serve" in sys.argv[1:]:  # the worker: no deadline of its own, its parent's stops it
+        args = parser.parse_args()
+        return asyncio.run(serve(stage_run(args.width, args.step_every), args.device, args.compute_weights))
+    args = _harness.parse(parser, smoke={"seconds": 0.5, "lanes": 2, "step_every": 4, "width": "tiny"})
     report = Report("gpu_worker", as_json=args.json)
     if torch.cuda.is_available():
-        gpu_path(report, args)
+        served_path(report, args, "cuda")
+    elif args.smoke:
+        report.note("--smoke without CUDA: the served path on the CPU")
+        served_path(report, args, "cpu")
     else:
         print(
             "gpu_worker: no CUDA device here, so no GPU figures (samples/s vs a plain loop, "

@@ -2,6 +2,7 @@
 """Join benchmark: a stage's state downloaded over an emulated link, and time to full service.
 
     python benchmarks/join.py [--mb 200] [--link up=200M,down=200M,latency=40ms] [--skip-swarm] [--json]
+                              [--smoke]
 
 (a) State download. Real ``agora-worker`` processes serve a surrogate stage whose untrained
     tensor makes its state ``--mb`` MB. Three donors hold the same state (the second and third
@@ -16,6 +17,7 @@
     optimizer sync, and to its first forward served after both; the baseline is the time the
     stage takes for the sync phases' steps (``weight_sync_steps + optimizer_sync_steps``) at
     the step rate measured meanwhile.
+``--smoke``: (a) with a 1 MB state; (b) with one worker per stage and sync phases of a few steps.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
+import _harness
+from _churn_swarm import stop_up  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _report import Report
 from agora_core.config import load_run_config
+from agora_core.config.dump import dump_toml
 from agora_core.contract import Method
 from agora_core.dht import BlockingDht, DhtNode
 from agora_core.errors import AgoraError
@@ -47,6 +53,14 @@ from swarm_processes import Member, SwarmFile  # noqa: E402  (tools/ is not a pa
 from swarm_status import light_member  # noqa: E402
 
 ENV = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+TINY = ROOT / "examples" / "tiny.toml"
+DONOR_START_S = 300.0  # a donor serving (the second and third download the state first)
+JOINER_S = 600.0  # a joiner behind the emulated link serving
+SWARM_GOING_S = 600.0  # the tiny swarm's stages past the staleness bound
+NEWCOMER_S = 600.0  # the newcomer's first forward after its sync phases
+ADDER_S = 60.0  # `swarm.py add-worker` returning once its newcomer serves
+# --smoke: sync phases of a few steps, so a newcomer serves within seconds
+SMOKE_SYNC = {"weight_sync_steps": 2, "optimizer_sync_steps": 1, "stale_after_steps": 2}
 
 
 def write_config(folder: Path, name: str, *, mb: float, donors: int) -> Path:
@@ -88,12 +102,12 @@ async def download_figures(report: Report, mb: float, link: str) -> None:
                 child = stack.enter_context(
                     spawn_python(worker_args(three, seed.address, folder, f"donor{index}", *extra), env=ENV)
                 )
-                await asyncio.to_thread(child.read_until, "  serving    ", timeout_s=300)
+                await asyncio.to_thread(child.read_until, "  serving    ", timeout_s=DONOR_START_S)
             for donors, config in ((1, one), (3, three)):
                 report.note(f"a joiner behind {link} downloads from {donors} donor(s)")
                 args = worker_args(config, seed.address, folder, f"joiner{donors}", "--download", "always")
                 with spawn_python([*args, "--link", link], env=ENV) as joiner:
-                    address = await asyncio.to_thread(joiner.read_until, "  serving    ", timeout_s=600)
+                    address = await asyncio.to_thread(joiner.read_until, "  serving    ", timeout_s=JOINER_S)
                     joined = (await info(client, address))["join"]
                 bits = joined["download_bytes"] * 8
                 seconds = joined["download_s"]
@@ -149,10 +163,18 @@ class SwarmReader:
             self._dht.stop()
 
 
-def time_to_serve(report: Report) -> None:
-    config = ROOT / "examples" / "tiny.toml"
-    sync = load_run_config(config).sync
+def smoke_config(folder: Path) -> Path:
+    """examples/tiny.toml with sync phases of a few steps (SMOKE_SYNC)."""
+    tiny = load_run_config(TINY)
+    path = folder / "tiny-smoke.toml"
+    path.write_text(dump_toml(dataclasses.replace(tiny, sync=dataclasses.replace(tiny.sync, **SMOKE_SYNC))))
+    return path
+
+
+def time_to_serve(report: Report, smoke: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.log", "w") as log:
+        config = smoke_config(Path(tmp)) if smoke else TINY
+        sync = load_run_config(config).sync
         run_dir = Path(tmp) / "run"
         up_args = [
             "up",
@@ -164,11 +186,13 @@ def time_to_serve(report: Report) -> None:
             str(run_dir),
             "--no-export",
         ]
+        up_args += ["--replicas", "1", "--no-monitor"] if smoke else []
         up = subprocess.Popen([sys.executable, SWARM, *up_args], stdout=log, stderr=subprocess.STDOUT)
         reader = SwarmReader(run_dir)
+        adder = None
         try:
             report.note(f"a tiny swarm trains until its stages pass step {sync.stale_after_steps + 5}")
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + SWARM_GOING_S
             while True:
                 if time.monotonic() > deadline or up.poll() is not None:
                     raise SystemExit(f"the swarm did not get going:\n{Path(log.name).read_text()}")
@@ -186,7 +210,8 @@ def time_to_serve(report: Report) -> None:
             )
             seen: dict[str, float] = {}
             forwards_when_serving = None
-            while time.monotonic() < started + 600 and "first_forward" not in seen:
+            report.note("the newcomer on stage 1: its state installed, its sync phases, its first forward")
+            while time.monotonic() < started + NEWCOMER_S and "first_forward" not in seen:
                 newcomer = next((m for m in _stage_workers(run_dir, 1) if m.name not in known), None)
                 state = reader.info(newcomer.address) if newcomer else None
                 if state is not None:
@@ -201,18 +226,16 @@ def time_to_serve(report: Report) -> None:
                     if forwards_when_serving is not None and forwards > forwards_when_serving:
                         seen["first_forward"] = now
                 time.sleep(0.2)
-            adder.wait(timeout=60)
+            report.note("`swarm.py add-worker` to return")
+            adder.wait(timeout=ADDER_S)
             current = reader.info(veteran.address) or current
             step_rate = (current["step"] - step_before) / (time.monotonic() - started)
         finally:
             reader.close()
-            up.terminate()  # `up` stops its nodes on SIGTERM; `down` makes sure
-            try:
-                up.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                up.kill()
-            down = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
-            subprocess.run(down, stdout=subprocess.DEVNULL, timeout=120, check=False)
+            if adder is not None and adder.poll() is None:
+                adder.kill()  # its newcomer is a node of the swarm: stopped with it below
+                adder.wait(timeout=10)
+            stop_up(up, run_dir, down=True)  # `down`: the newcomer, should `up` not know of it
     if "first_forward" not in seen:
         raise SystemExit(f"the newcomer never served after syncing: phases seen {seen}")
     phases_s = (sync.weight_sync_steps + sync.optimizer_sync_steps) / step_rate
@@ -235,13 +258,13 @@ def main() -> None:
         "--link", default="up=200M,down=200M,latency=40ms", help="The joiners' emulated link."
     )
     parser.add_argument("--skip-swarm", action="store_true", help="Only the download figures (a).")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=2700)
+    args = _harness.parse(parser, smoke={"mb": 1.0})
     configure_logging(fmt="console", level="warning")
     report = Report("join", as_json=args.json)
     asyncio.run(download_figures(report, args.mb, args.link))
     if not args.skip_swarm:
-        time_to_serve(report)
+        time_to_serve(report, args.smoke)
     report.finish()
 
 

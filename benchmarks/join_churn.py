@@ -26,8 +26,8 @@ Figures, per seed and the worst over seeds (``--json``: one object):
   * steps refused and resyncs (workers' logs), joins that reached serving, outliers the
     trainer's loss witness excluded.
 Every wait has a deadline: a run that cannot finish is stopped, and the benchmark says what
-it waited for and exits 1. ``--smoke``: one seed of 1024 samples and one calm run, a few
-kills, for CI.
+it waited for and exits 1. ``--smoke``: one seed of 128 samples, two workers a stage, kills
+from the 16th sample on, every 2 s, and a calm run of as many samples.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_trainer.cursor import reading_order
@@ -60,6 +61,11 @@ SETTLE = 512  # samples before the windows are judged: the loss falls steeply at
 START_S = 240.0  # `up` until every worker serves (shards made, torch imported on two cores)
 COMMAND_S = 150.0  # one kill-worker or add-worker
 MARGIN_S = 120.0  # export, evaluation and the centralized comparison at the end of `up`
+UP_STOP_S = 60.0  # `up` stopping its nodes on SIGTERM
+DOWN_S = 90.0  # `swarm.py down`
+SMOKE_SAMPLES = 128  # the fewest that still leave room for a kill and an add before the end
+# Every run's deadline together, with the default 10 seeds and 6144 samples (and a margin).
+FULL_DEADLINE_S = 18000
 
 
 class RunFailed(Exception):
@@ -82,12 +88,15 @@ class Outcome:
 
 
 def swarm_command(run_dir: Path, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, SWARM, *args, "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_S,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, SWARM, *args, "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"swarm.py {' '.join(args)}, within {COMMAND_S:g} s") from None
     if result.returncode:
         raise RunFailed(f"swarm.py {' '.join(args)} failed: {result.stdout}{result.stderr}")
     return result.stdout
@@ -125,6 +134,7 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, SWARM, "up", *flags], stdout=out, stderr=subprocess.STDOUT)
         try:
+            _harness.waiting_for(f"{run_dir.name}: every worker serving ({log})")
             started = time.monotonic() + START_S
             while not all_serving(run_dir, stages * args.replicas):
                 if proc.poll() is not None or time.monotonic() > started:
@@ -135,6 +145,7 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
                     break
             stage = churn.randrange(stages) if churn else 0
             kill_at = time.monotonic()
+            _harness.waiting_for(f"{run_dir.name}: `swarm.py up` to end, its export and evaluation ({log})")
             while churn is not None and proc.poll() is None:
                 # Kills keep their pace however long an add takes (it returns once the newcomer
                 # serves): one every interval, the add half an interval after it.
@@ -156,13 +167,14 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
             if proc.poll() is None:
                 proc.terminate()  # `up` stops its nodes on the way out
                 try:
-                    proc.wait(timeout=60)
+                    proc.wait(timeout=UP_STOP_S)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    proc.wait(timeout=10)
+            # always: an add-worker cut short may have started a node `up` never knew of
             if (run_dir / "swarm.json").exists():
                 down = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
-                subprocess.run(down, stdout=subprocess.DEVNULL, timeout=90)  # --json: one object
+                subprocess.run(down, stdout=subprocess.DEVNULL, timeout=DOWN_S)  # --json: one object
     text = log.read_text()
     if proc.returncode:
         raise RunFailed(f"`swarm.py up` exited {proc.returncode}; see {log}")
@@ -238,12 +250,12 @@ def worst_window(losses: list[float]) -> float:
     sums = np.concatenate([[0.0], np.cumsum(values)])
     means = (sums[WINDOW:] - sums[:-WINDOW]) / WINDOW  # means[i]: samples i .. i + 63
     starts = np.arange(max(SETTLE, WINDOW), len(values) - WINDOW + 1)
-    return float(np.max(means[starts] / means[starts - WINDOW])) if len(starts) else float("nan")
+    # 0 when a run is too short for one window after the first 512 (--smoke): none was judged
+    return float(np.max(means[starts] / means[starts - WINDOW])) if len(starts) else 0.0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=6144)
@@ -258,10 +270,9 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "tiny.toml")
     parser.add_argument("--shards", type=Path, help="data shards (default: the main job's, made if missing)")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "join_churn")
-    parser.add_argument("--smoke", action="store_true", help="one seed of 1024 samples (CI)")
-    args = parser.parse_args()
-    if args.smoke:
-        args.seeds, args.samples, args.settle_samples = 1, 1024, 128
+    _harness.add_arguments(parser, deadline_s=FULL_DEADLINE_S)
+    smoke = {"seeds": 1, "samples": SMOKE_SAMPLES, "settle_samples": 16, "interval": 2.0, "replicas": 2}
+    args = _harness.parse(parser, smoke=smoke)
     report = Report("join_churn", as_json=args.json)
     run = load_run_config(args.config)
     args.shards = args.shards or default_shards_dir(run.data)

@@ -2,7 +2,8 @@
 """Monitor benchmark: snapshot ingest of a large simulated run, and the dashboard API's latency.
 
     python benchmarks/monitor.py [--workers 1000] [--trainers 100] [--stages 10] [--snapshots 5]
-                                 [--backends sqlite,postgresql] [--hours 24] [--requests 200] [--json]
+                                 [--backends sqlite,postgresql] [--hours 24] [--requests 200]
+                                 [--json] [--smoke]
 
 Ingest: ``--workers`` workers (spread over ``--stages``) and ``--trainers`` trainers, each its
 own key, publish their signed announcement and progress (workers) or progress (trainers)
@@ -23,6 +24,9 @@ served by the dashboard's app on 127.0.0.1; ``--requests`` rounds of the page's 
 overview, series, nodes, leaderboard, alerts), one request at a time. Figure: ``api_p99_ms``
 over every request (target <= 200 ms), against ``runs_p50_ms``, the smallest endpoint's
 median (the baseline: what a request costs at all). Benchmarks never fail on a time.
+
+``--smoke``: 20 workers and 4 trainers over 2 stages, one snapshot, 3 minutes of history and
+2 polls, on each backend (PostgreSQL only where installed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Phase
@@ -65,6 +70,7 @@ from agora_monitor.web import make_app, start_site
 ROOT = Path(__file__).resolve().parent.parent
 PERIOD_S = 5.0
 TTL_S = 3600.0
+REQUEST_TIMEOUT_S = 60.0  # one dashboard request; aiohttp's default would wait 5 minutes
 
 
 def big_run(stages: int):
@@ -123,6 +129,7 @@ async def ingest_figures(report: Report, args, backends: list[str], postgres_url
     run = big_run(args.stages)
     nodes: list[RunNode] = []
     try:
+        report.note("starting 4 DHT members")
         for _ in range(4):
             bootstrap = [nodes[0].dht.address] if nodes else []
             node = RunNode(
@@ -143,6 +150,7 @@ async def ingest_figures(report: Report, args, backends: list[str], postgres_url
                 store.ensure_run(run, time.time())
                 ingest = Ingest(run, MonitorSettings(), *store.restore(run.name))
                 totals, reads, writes = [], [], []
+                report.note(f"{backend}: {args.snapshots} snapshots of the run")
                 for _ in range(args.snapshots):
                     await sim.publish(announce=False)
                     started = time.perf_counter()
@@ -208,6 +216,7 @@ async def api_figures(report: Report, args, backends: list[str], postgres_url) -
         with tempfile.TemporaryDirectory() as tmp:
             url = f"sqlite:///{tmp}/monitor.db" if backend == "sqlite" else postgres_url()
             store = MonitorStore(url)
+            report.note(f"{backend}: synthesising {args.hours:g} h of snapshots")
             started = time.perf_counter()
             count = synthesise_day(store, run, args.hours, args.workers, args.trainers)
             report.note(
@@ -215,8 +224,10 @@ async def api_figures(report: Report, args, backends: list[str], postgres_url) -
             )
             runner, base = await start_site(make_app(store, MonitorSettings()), "127.0.0.1", 0)
             latencies: dict[str, list[float]] = {p: [] for p in polls}
+            report.note(f"{backend}: {args.requests} rounds of the dashboard's poll")
+            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
             try:
-                async with aiohttp.ClientSession() as session:
+                async with aiohttp.ClientSession(timeout=timeout) as session:
                     for _ in range(args.requests):
                         for poll in polls:
                             path = poll if poll.startswith("/") else f"/api/runs/{run.name}/{poll}"
@@ -239,6 +250,19 @@ async def api_figures(report: Report, args, backends: list[str], postgres_url) -
             )
 
 
+def without_absent_postgres(backends: list[str], postgres_url, report: Report) -> list[str]:
+    """``backends`` less PostgreSQL where its server cannot run here (--smoke: the SQLite
+    path is still proved); else the server is started now."""
+    from agora_core.testing_postgres import PostgresUnavailable
+
+    try:
+        postgres_url()
+    except PostgresUnavailable as error:
+        report.note(f"--smoke: PostgreSQL left out, it cannot run here: {error}")
+        return [b for b in backends if b != "postgresql"]
+    return backends
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=1000, help="Simulated workers.")
@@ -250,8 +274,11 @@ def main() -> None:
     )
     parser.add_argument("--hours", type=float, default=24.0, help="History in the API's database.")
     parser.add_argument("--requests", type=int, default=100, help="Rounds of the dashboard's poll.")
-    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=1800)
+    args = _harness.parse(
+        parser,
+        smoke={"workers": 20, "trainers": 4, "stages": 2, "snapshots": 1, "hours": 0.05, "requests": 2},
+    )
     configure_logging(fmt="console", level="error")
     report = Report("monitor", as_json=args.json)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -262,9 +289,12 @@ def main() -> None:
             from agora_core.testing_postgres import create_database, postgres_server
 
             if not server:
+                report.note("starting a throwaway PostgreSQL server")
                 server.append(stack.enter_context(postgres_server()))
             return create_database(server[0])
 
+        if args.smoke and "postgresql" in backends:
+            backends = without_absent_postgres(backends, postgres_url, report)
         asyncio.run(ingest_figures(report, args, backends, postgres_url))
         asyncio.run(api_figures(report, args, backends, postgres_url))
     report.finish()

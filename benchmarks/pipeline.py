@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline benchmark: a swarm's tokens/s and how busy its bottleneck stage is kept.
 
-    python benchmarks/pipeline.py [--lanes 2 4 8 16 32] [--seconds 10] [--stages 4] [--json]
+    python benchmarks/pipeline.py [--lanes 2 4 8 16 32] [--seconds 10] [--stages 4] [--json] [--smoke]
 
 Real ``agora-worker`` processes, one per stage, serve surrogate stages whose compute is an
 injected per-sample delay (forward 5 ms, backward 10 ms), so each stage's compute bound is
@@ -12,6 +12,7 @@ through them with L lanes. Figures per lane count, over a measurement window aft
     at every lane count from 4 to 32; 2 lanes cannot saturate 4 stages)
   * tokens/s over the bottleneck's own compute bound (samples per compute-second it showed in
     the window): how close the pipeline runs to its slowest stage
+``--smoke``: 2 lanes through 2 stages for half a second.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Method
@@ -37,6 +39,8 @@ from agora_trainer.trainer import Trainer, TrainerSettings
 
 FORWARD_S, BACKWARD_S = 0.005, 0.010
 SLOWDOWN = 2.0  # the bottleneck stage's delay scale
+WORKER_START_S = 120.0  # a worker process serving, on a busy machine
+STOP_S = 60.0  # the trainer's lanes finishing their samples once told to stop
 
 
 def write_config(folder: Path, stages: int) -> Path:
@@ -72,20 +76,32 @@ async def measure(report, run, shards, bootstrap, bottleneck: str, lanes: int, s
         after = (await client.call(bottleneck, Method.WORKER_INFO)).meta
         done, wall = trainer.counters.completed - done, time.perf_counter() - wall
         trainer.request_stop()
-        await training
+        await stopped(training)
     finally:
         await trainer.close()
         await client.close()
     compute = after["compute_seconds"] - before["compute_seconds"]
     processed = after["processed"] - before["processed"]  # forward + backward passes
     tokens_per_s = done * run.model.seq_len / wall
-    # each sample costs the bottleneck one forward and one backward
-    bound = processed / 2 / compute * run.model.seq_len if compute else float("nan")
     report.add(f"lanes={lanes} tokens_per_s", tokens_per_s, "tokens/s")
     report.add(
         f"lanes={lanes} bottleneck_utilization", compute / wall, "of wall time", target=">= 0.9 saturated"
     )
-    report.compare(f"lanes={lanes} tokens_per_s_vs_bottleneck_bound", tokens_per_s, bound, "tokens/s")
+    name = f"lanes={lanes} tokens_per_s_vs_bottleneck_bound"
+    if compute:
+        # each sample costs the bottleneck one forward and one backward
+        bound = processed / 2 / compute * run.model.seq_len
+        report.compare(name, tokens_per_s, bound, "tokens/s")
+    else:  # the bottleneck computed nothing in the window: no bound to compare with
+        report.add(name, tokens_per_s, "tokens/s")
+
+
+async def stopped(training: asyncio.Task) -> None:
+    """The trainer's ``train()``, told to stop, ending."""
+    try:
+        await asyncio.wait_for(training, STOP_S)
+    except TimeoutError:
+        raise TimeoutError(f"the trainer's lanes to stop, within {STOP_S:g} s") from None
 
 
 async def run(report: Report, lane_counts: list[int], seconds: float, stages: int) -> None:
@@ -93,6 +109,7 @@ async def run(report: Report, lane_counts: list[int], seconds: float, stages: in
         config = write_config(Path(folder), stages)
         run_config = load_run_config(config)
         shards = Path(folder) / "shards"
+        report.note("making 4 MB of byte shards")
         make_shards(shards, shards=1, tokenizer=ByteTokenizer(), max_bytes=4_000_000)
         seed = DhtNode(key=NodeKey.generate(), config=run_config.dht)
         await seed.start()
@@ -114,8 +131,10 @@ async def run(report: Report, lane_counts: list[int], seconds: float, stages: in
                 env = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}  # more processes than cores
                 child = stack.enter_context(spawn_python(args, env=env))
                 addresses.append(child)
+            report.note(f"{stages} worker processes serving")
             addresses = [
-                await asyncio.to_thread(c.read_until, "  serving    ", timeout_s=120) for c in addresses
+                await asyncio.to_thread(c.read_until, "  serving    ", timeout_s=WORKER_START_S)
+                for c in addresses
             ]
             report.note(
                 f"{stages} surrogate stages (forward {FORWARD_S * 1e3:g} ms, backward {BACKWARD_S * 1e3:g} ms "
@@ -133,8 +152,8 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=300)
+    args = _harness.parse(parser, smoke={"lanes": [2], "seconds": 0.5, "stages": 2})
     configure_logging(fmt="console", level="warning")
     report = Report("pipeline", as_json=args.json)
     asyncio.run(run(report, args.lanes, args.seconds, args.stages))

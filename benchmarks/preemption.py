@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The report's preemption table at small scale: senders preempted mid averaging send.
 
-    python benchmarks/preemption.py [--json] [--replicas 6] [--preempt 1,3,5] [--megabytes 8]
+    python benchmarks/preemption.py [--json] [--replicas 6] [--preempt 1,3,5] [--megabytes 8] [--smoke]
 
 A stage of ``--replicas`` worker processes (surrogate stages whose untrained dummy parameters
 start at each replica's own random values, so averaging has something to do) averages its
@@ -24,7 +24,8 @@ Two layouts: ``reducers = all`` (the run's default: every replica reduces a slic
 preempted reducer's slice does not come back) and ``one reliable reducer`` (only replica 0
 reduces, as in the report's setup with reliable reducers; the preempted are senders only).
 Every row starts from --replicas fresh processes (the victims come back with their keys), so
-no row inherits the agreement an earlier round left among its survivors.
+no row inherits the agreement an earlier round left among its survivors. ``--smoke``: 2 replicas
+of 0.1 MB, one preempted, in both layouts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import OperatorConfig, RunConfig, SurrogateConfig
 from agora_core.config.dump import dump_toml
@@ -57,6 +60,7 @@ from agora_core.testing import ChildProcess, poll_until, spawn_python
 STAGE = 1
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_LEVEL": "warning"}
 CHUNK_TIMEOUT_S = 3.0
+VICTIM_EXIT_S = 30.0  # a victim's exit once the round it was told to die in is over
 
 
 def run_config(megabytes: float, reducers: str, reducer_ids: list[str], operator: NodeKey) -> RunConfig:
@@ -159,12 +163,21 @@ class Stage:
         survivors = [r for r in self.replicas if r not in victims]
         reports = [a.meta for r, a in zip(self.replicas, answers, strict=True) if r in survivors]
         for victim in victims:
-            await asyncio.to_thread(victim.child.proc.wait, 30)
+            await asyncio.to_thread(wait_exit, victim)
         exited = sum(v.child.proc.returncode == INJECTED_EXIT_CODE for v in victims)
         if victims:
             await clear(self.seed, operator, "preemption")
         after = {r.node_id: await self.values(r) for r in survivors}
         return {"reports": reports, "before": before, "after": after, "exited": exited}
+
+
+def wait_exit(victim: Replica) -> None:
+    try:
+        victim.child.proc.wait(VICTIM_EXIT_S)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(
+            f"victim {victim.node_id[:12]} to exit mid send, within {VICTIM_EXIT_S:g} s"
+        ) from None
 
 
 def divergence(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> tuple[int, float]:
@@ -195,11 +208,13 @@ async def layout(report: Report, label: str, reducers: str, args, keys, tmp: Pat
             stage = Stage(stack, seed, client, config, keys)
             report.note(f"{label}: starting {len(keys)} replicas ...")
             await stage.restart()
+            report.note(f"{label}: a clean round ...")
             clean = await stage.preempt_round(operator, [])
             clean_completeness = statistics.mean(r["averaging_success"] for r in clean["reports"])
             clean_seconds = max(r["seconds"] for r in clean["reports"])
             report.note(f"{label}: clean round, completeness {clean_completeness:.3f}, {clean_seconds:.2f} s")
             for k in args.preempt:
+                report.note(f"{label}: restarting {len(keys)} replicas, then a round with {k} preempted ...")
                 await stage.restart()
                 candidates = stage.replicas[1:] if reducers == "listed" else stage.replicas
                 victims = candidates[-k:]
@@ -251,7 +266,6 @@ async def main_async(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--replicas", type=int, default=6)
     parser.add_argument(
         "--preempt", type=lambda s: [int(x) for x in s.split(",")], default=[1, 3, 5], help="e.g. 1,3,5"
@@ -265,7 +279,8 @@ def main() -> None:
         default=["all_reduce", "one_reducer"],
         help="all_reduce,one_reducer",
     )
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=1200)
+    args = _harness.parse(parser, smoke={"replicas": 2, "preempt": [1], "megabytes": 0.1})
     if any(not 0 < k < args.replicas for k in args.preempt):
         sys.exit("--preempt: each count must leave at least one survivor")
     configure_logging(fmt="console", level="warning")  # this process's seed and client: quiet

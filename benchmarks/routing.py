@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Routing benchmark: what one trainer process costs and sustains, against zero-compute workers.
 
-    python benchmarks/routing.py [--lanes 1 8 32] [--seconds 6] [--stages 4] [--json]
+    python benchmarks/routing.py [--lanes 1 8 32] [--seconds 6] [--stages 4] [--json] [--smoke]
 
 The workers (one per stage, all in one other process) answer every forward and backward at
 once with zeros of the right shape: what is measured is the trainer. Figures per lane count:
 samples/s and stage hops/s one trainer sustains; the trainer's own CPU time per hop
 (process CPU time over hops, which excludes the workers entirely); wall time per hop.
+``--smoke``: 2 lanes through 2 stages for half a second.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.contract import Method, Phase
@@ -35,6 +37,8 @@ from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 SCRIPT = str(Path(__file__).resolve())
+WORKERS_START_S = 60.0  # the workers' process announcing its stages
+STOP_S = 60.0  # the trainer's lanes finishing their samples once told to stop
 
 
 def run_config(stages: int) -> RunConfig:
@@ -120,9 +124,11 @@ async def measure(
             time.perf_counter() - wall,
         )
         trainer.request_stop()
-        await training
+        await stopped(training)
     finally:
         await trainer.close()
+    if not done:
+        raise RuntimeError(f"no sample completed in {seconds:g} s through {stages} zero-compute stages")
     hops = done * (2 * stages - 1)  # forwards of all but the tail, its forward_backward, backwards
     report.add(f"lanes={lanes} samples_per_s", done / wall, "samples/s")
     report.add(f"lanes={lanes} hops_per_s", hops / wall, "hops/s")
@@ -130,10 +136,20 @@ async def measure(
     report.add(f"lanes={lanes} wall_per_hop_per_lane", wall * lanes / hops * 1e6, "us")
 
 
+async def stopped(training: asyncio.Task) -> None:
+    """The trainer's ``train()``, told to stop, ending."""
+    try:
+        await asyncio.wait_for(training, STOP_S)
+    except TimeoutError:
+        raise TimeoutError(f"the trainer's lanes to stop, within {STOP_S:g} s") from None
+
+
 async def run(report: Report, lane_counts: list[int], seconds: float, stages: int) -> None:
     with tempfile.TemporaryDirectory() as folder, spawn_python([SCRIPT, "--serve", str(stages)]) as workers:
+        report.note("making 4 MB of byte shards")
         make_shards(folder, shards=1, tokenizer=ByteTokenizer(), max_bytes=4_000_000)
-        bootstrap = workers.read_until("ADDRESS ")
+        report.note(f"{stages} zero-compute workers announced")
+        bootstrap = await asyncio.to_thread(workers.read_until, "ADDRESS ", timeout_s=WORKERS_START_S)
         for lanes in lane_counts:
             report.note(f"{lanes} lanes through {stages} zero-compute stages for {seconds:g} s")
             await measure(report, bootstrap, folder, stages, lanes, seconds)
@@ -144,11 +160,12 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve:
-        return asyncio.run(serve_workers(args.serve))
+    _harness.add_arguments(parser, deadline_s=300)
+    serve = parser.parse_args().serve
+    if serve:  # the workers' process: run() stops it, so it keeps no deadline of its own
+        return asyncio.run(serve_workers(serve))
+    args = _harness.parse(parser, smoke={"lanes": [2], "seconds": 0.5, "stages": 2})
     configure_logging(fmt="console", level="warning")
     report = Report("routing", as_json=args.json)
     asyncio.run(run(report, args.lanes, args.seconds, args.stages))

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The simulator against the published run: its shape, its observations, our figures.
 
-    python benchmarks/sim_calibration.py [--seconds 60] [--json]
+    python benchmarks/sim_calibration.py [--seconds 60] [--lanes 6 12 18 24] [--workers-per-stage 6]
+                                         [--averaging small wire_matched wire_matched_window]
+                                         [--json] [--smoke]
 
 Three observations of the report (sections 3.4 and 5), each measured on the scenarios of
 ``examples/sim/calibration/`` (real workers and trainers in virtual time, ``tools/sim_swarm.py``):
@@ -35,6 +37,9 @@ Three observations of the report (sections 3.4 and 5), each measured on the scen
    200 MB/s a stream: no cap, so the baseline is unchanged.
 
 The baseline of each ratio is measured in the same run. Figures, never a failure on time.
+
+``--smoke``: 3 virtual seconds of each run, at 6 and 12 lanes, 2 workers a stage, and the small
+averaging case only.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.logs import configure_logging
 from agora_core.sim.dht_swarm import LinkRange
@@ -59,15 +65,20 @@ LANES = (6, 12, 18, 24)
 SATURATED_GAIN = 0.10  # a step of lanes adding less than this is past the saturation point
 
 
-def _scenario(name: str, **changes) -> SwarmScenario:
+def _scenario(name: str, workers_per_stage: int | None = None, **changes) -> SwarmScenario:
+    """``name``'s scenario with ``changes``; ``workers_per_stage`` None: the file's."""
     scenario = parse_swarm(tomllib.loads((CALIBRATION / name).read_text()))
+    if workers_per_stage is not None:
+        changes["workers_per_stage"] = workers_per_stage
     return dataclasses.replace(scenario, **changes)
 
 
-def saturation(seconds: float, report: Report) -> tuple[int, dict]:
+def saturation(args: argparse.Namespace, report: Report) -> tuple[int, dict]:
     runs = []
-    for lanes in LANES:
-        summary = run_swarm_scenario(_scenario("pipeline.toml", lanes=lanes, duration_s=seconds)).summary
+    for lanes in args.lanes:
+        report.note(f"pipeline.toml with 4 trainers of {lanes} lanes, {args.seconds:g} virtual s")
+        scenario = _scenario("pipeline.toml", args.workers_per_stage, lanes=lanes, duration_s=args.seconds)
+        summary = run_swarm_scenario(scenario).summary
         runs.append((lanes, summary))
         report.note(
             f"{4 * lanes} lanes: {summary['tokens_per_s']:.0f} tokens/s, bottleneck stage "
@@ -90,8 +101,10 @@ def saturation(seconds: float, report: Report) -> tuple[int, dict]:
     return lanes, summary
 
 
-def churn(lanes: int, calm: dict, seconds: float, report: Report) -> None:
-    summary = run_swarm_scenario(_scenario("pipeline_churn.toml", lanes=lanes, duration_s=seconds)).summary
+def churn(lanes: int, calm: dict, args: argparse.Namespace, report: Report) -> None:
+    report.note(f"pipeline_churn.toml at 4 trainers of {lanes} lanes, {args.seconds:g} virtual s")
+    scenario = _scenario("pipeline_churn.toml", args.workers_per_stage, lanes=lanes, duration_s=args.seconds)
+    summary = run_swarm_scenario(scenario).summary
     report.note(
         f"churn: {summary['worker_departures']} deaths, {summary['worker_joins']} joins "
         f"({summary['joiners_ready']} ready), {summary['tokens_per_s']:.0f} tokens/s, {summary['lost']} lost"
@@ -109,8 +122,10 @@ AVERAGING_CASES = (  # label, averaged parameters a stage, link Mbit/s, TCP wind
 )
 
 
-def averaging(seconds: float, report: Report) -> None:
+def averaging(seconds: float, labels: list[str], report: Report) -> None:
     for label, parameters, mbit, window_kb in AVERAGING_CASES:
+        if label not in labels:
+            continue
         times = {}  # RTT -> (median round, median all-reduce once the group formed)
         for rtt_ms in (0.1, 120.0):
             one_way = rtt_ms / 4  # a path's round trip is 2 x (one way out + one way back)
@@ -128,6 +143,7 @@ def averaging(seconds: float, report: Report) -> None:
                 averaged_parameters=parameters,
                 links=links,
             )
+            report.note(f"averaging {label} at {rtt_ms:g} ms round trips, {seconds:g} virtual s")
             summary = run_swarm_scenario(scenario).summary
             times[rtt_ms] = (summary["averaging_group_round_s"], summary["averaging_allreduce_s"])
             report.note(
@@ -148,13 +164,25 @@ def averaging(seconds: float, report: Report) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="virtual seconds of each run")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--lanes", type=int, nargs="+", default=list(LANES), help="each trainer's lanes, step by step"
+    )
+    labels = [case[0] for case in AVERAGING_CASES]
+    parser.add_argument(
+        "--averaging", nargs="+", choices=labels, default=labels, help="the averaging cases to run"
+    )
+    parser.add_argument(
+        "--workers-per-stage", type=int, default=None, help="(1) and (2): instead of the scenario files' 6"
+    )
+    _harness.add_arguments(parser, deadline_s=1800)
+    args = _harness.parse(
+        parser, smoke={"seconds": 3.0, "lanes": [6, 12], "averaging": ["small"], "workers_per_stage": 2}
+    )
     configure_logging(level="error")
     report = Report("sim_calibration", as_json=args.json)
-    lanes, calm = saturation(args.seconds, report)
-    churn(lanes, calm, args.seconds, report)
-    averaging(args.seconds, report)
+    lanes, calm = saturation(args, report)
+    churn(lanes, calm, args, report)
+    averaging(args.seconds, args.averaging, report)
     report.finish()
 
 

@@ -2,7 +2,7 @@
 """Simulation benchmark: how much faster than real time the simulator runs, and that it replays.
 
     python benchmarks/simulation.py [--sizes 100 250] [--seconds 30] [--workers 4]
-                                    [--scale 1000 [--settle]] [--json]
+                                    [--scale 1000 [--settle]] [--json] [--smoke]
 
 For each DHT size N (real DhtNode members, one simulated host each, the report's consumer
 links): the swarm comes up and agrees on its membership, then runs --seconds of virtual time
@@ -26,6 +26,10 @@ The issue's target is >= 10x for 1 000 workers + 1 000 DHT members + 50 trainers
 cores. A DHT member's cost per virtual second is mostly its membership protocol (probes,
 gossip, syncs); a swarm's is its hops (encode, route, decode, the surrogate's torch call),
 the same code a real run pays.
+
+``--smoke``: 10 DHT members, a swarm of 4 workers, a settled scale run of 20 workers, 2 virtual
+seconds each, and the replay as in a full run. A --scale run outlasts the default deadline:
+give it a --deadline-s.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.logs import configure_logging
 from agora_core.sim import Simulation
@@ -56,9 +61,11 @@ from agora_core.sim.scenario import Scenario, Churn
 scenario = Scenario(seed=int(sys.argv[1]), members=48, duration_s=60.0, churn=Churn(joins_per_min=3, departures_per_min=3))
 print(run_dht_scenario(scenario).digest)
 """
+REPLAY_TIMEOUT_S = 300.0  # one replay process, far longer than it takes
 
 
 def steady_speed(members: int, seconds: float, report: Report) -> float:
+    report.note(f"N={members}: starting the DHT members")
     with Simulation(seed=members) as sim:
         swarm = SimDhtSwarm(sim)
         started = time.perf_counter()
@@ -74,6 +81,7 @@ def steady_speed(members: int, seconds: float, report: Report) -> float:
             lambda: all(n.table.pending_gossip == 0 for n in swarm.live_nodes()), limit_s=300.0, step_s=5.0
         )
         report.note(f"N={members}: the join's gossip retired after {drained} more virtual s")
+        report.note(f"N={members}: {seconds:g} virtual s of stores and read-backs")
         real_started, virtual_started = time.perf_counter(), sim.elapsed_s
         swarm.measure_ops(int(seconds))
         sim.run_for(max(0.0, seconds - (sim.elapsed_s - virtual_started)))
@@ -97,6 +105,7 @@ def scale_run(workers: int, seconds: float, settle: bool, report: Report) -> Non
         start_batch=100,
         settle_gossip_s=300.0 if settle else 0.0,
     )
+    report.note(f"scale: {workers} workers, {workers} DHT members, {max(1, workers // 20)} trainers")
     summary = run_swarm_scenario(scenario).summary
     name = f"scale_{summary['workers']}_workers"
     report.note(
@@ -118,18 +127,24 @@ def scale_run(workers: int, seconds: float, settle: bool, report: Report) -> Non
 
 
 def replay_digests(seed: int) -> list[str]:
+    return [replay_digest(seed) for _ in range(2)]
+
+
+def replay_digest(seed: int) -> str:
+    """The trace digest of the REPLAY scenario run in a fresh process."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    return [
-        subprocess.run(
+    try:
+        return subprocess.run(
             [sys.executable, "-c", REPLAY, str(seed)],
             env=env,
             cwd=ROOT,
             capture_output=True,
             text=True,
             check=True,
+            timeout=REPLAY_TIMEOUT_S,
         ).stdout.strip()
-        for _ in range(2)
-    ]
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"the replay of seed {seed} did not finish in {REPLAY_TIMEOUT_S:g} s") from None
 
 
 def main() -> None:
@@ -141,8 +156,10 @@ def main() -> None:
     parser.add_argument(
         "--settle", action="store_true", help="--scale: measure once the joins' gossip stopped"
     )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    _harness.add_arguments(parser, deadline_s=900)
+    args = _harness.parse(
+        parser, smoke={"sizes": [10], "seconds": 2.0, "workers": 1, "scale": 20, "settle": True}
+    )
     configure_logging(level="error")
     report = Report("simulation", as_json=args.json)
     for members in args.sizes:
@@ -163,6 +180,7 @@ def main() -> None:
         lanes=4,
         speed=(0.5, 1.5),
     )
+    report.note(f"a swarm of {4 * args.workers} workers: start-up, then {args.seconds:g} virtual s")
     summary = run_swarm_scenario(swarm).summary
     report.note(
         f"swarm of {summary['workers']} workers, {summary['trainers']} trainers: {summary['completed']} samples, "
@@ -173,6 +191,7 @@ def main() -> None:
     report.add(f"{name}_samples_per_virtual_s", summary["samples_per_s"], "samples/s")
     if args.scale:
         scale_run(args.scale, args.seconds, args.settle, report)
+    report.note("the same scenario replayed in two fresh processes")
     digests = replay_digests(seed=7)
     report.note(f"replay digests: {digests}")
     report.add("same_seed_same_digest_across_processes", float(len(set(digests)) == 1), "bool", target="1")

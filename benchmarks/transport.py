@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Transport benchmark: Agora's RPC against raw pyzmq, measured in the same run.
 
-    python benchmarks/transport.py [--json] [--rounds N] [--calls N]
+    python benchmarks/transport.py [--json] [--rounds N] [--calls N] [--mib 64] [--smoke]
 
 Figures:
-  (a) 64 MiB tensor request/response throughput vs raw PUSH/PULL of the same bytes
+  (a) 64 MiB (--mib) tensor request/response throughput vs raw PUSH/PULL of the same bytes
   (b) small-request round trip p50/p99 vs raw REQ/REP with asyncio sockets at both ends (the
       model every Agora node uses: an event loop between receive and reply). For reference: an
       asyncio REQ against a blocking REP server (no event loop on the server side: the
@@ -20,12 +20,15 @@ Figures:
 
 Every server runs in its own process (``_transport_servers.py``), the client in this one, over loopback TCP. Each figure
 is the median over several interleaved rounds (the machine is shared and noisy).
+
+``--smoke``: one round of one 1 MiB transfer and 200 small requests of each kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from _secured import AUTHORIZER_SEED_ENV, SERVER_SEED_ENV, curve_client, key_from_env, new_seeds, security_of
 from agora_core.auth.security import TransportSecurity
@@ -45,7 +49,8 @@ from agora_core.testing import spawn_python
 from agora_core.wire import Kind, Message, WireConfig, encode
 
 MiB = 1 << 20
-BIG = 64 * MiB
+SERVERS_START_S = 60.0  # eight Python processes importing zmq and agora_core, on two cores
+RAW_REPLY_S = 120.0  # a raw socket's reply: as long as the RPC calls' own timeout
 SERVERS = str(Path(__file__).resolve().with_name("_transport_servers.py"))
 NO_LZ4 = RpcConfig(wire=WireConfig(compression=CompressionPolicy(enabled=False)))
 
@@ -54,7 +59,7 @@ NO_LZ4 = RpcConfig(wire=WireConfig(compression=CompressionPolicy(enabled=False))
 
 
 async def agora_transfer_s(client: RpcClient, address: str, tensor: np.ndarray, calls: int) -> float:
-    """Seconds per 64 MiB request (tiny reply), over ``calls`` sequential calls."""
+    """Seconds per request of ``tensor`` (tiny reply), over ``calls`` sequential calls."""
     t0 = time.perf_counter()
     for _ in range(calls):
         reply = await client.call(address, "sink", tensors={"x": tensor}, timeout_s=120)
@@ -62,12 +67,24 @@ async def agora_transfer_s(client: RpcClient, address: str, tensor: np.ndarray, 
     return (time.perf_counter() - t0) / calls
 
 
+def with_deadline(sock: zmq.Socket) -> zmq.Socket:
+    """A blocking socket whose sends and receives give up (zmq.Again) after RAW_REPLY_S, and
+    whose close drops what is unsent (nothing is, once a batch is acked)."""
+    sock.setsockopt(zmq.RCVTIMEO, int(RAW_REPLY_S * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(RAW_REPLY_S * 1000))
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
 def raw_push_s(push: zmq.Socket, ack: zmq.Socket, payload: memoryview, calls: int) -> float:
     t0 = time.perf_counter()
-    for _ in range(calls):
-        push.send(payload, copy=False)
-    push.send(b"n")
-    assert int(ack.recv()) == calls * len(payload)
+    try:
+        for _ in range(calls):
+            push.send(payload, copy=False)
+        push.send(b"n")
+        assert int(ack.recv()) == calls * len(payload)
+    except zmq.Again:
+        raise TimeoutError(f"the PULL server took or acked no batch within {RAW_REPLY_S:g} s") from None
     return (time.perf_counter() - t0) / calls
 
 
@@ -103,21 +120,30 @@ async def raw_async_rtts(
     if server_key is not None:
         curve_client(sock, server_key)
     sock.connect(address)
-    rtts = []
     try:
-        for i in range(calls + 1):
-            t0 = time.perf_counter()
-            await sock.send(i.to_bytes(8, "little"))
-            await sock.recv()
-            rtts.append(time.perf_counter() - t0)
+        # one deadline on the whole batch: a timer per call would be timed with the baseline
+        rtts = await asyncio.wait_for(_async_round_trips(sock, calls + 1), RAW_REPLY_S)
+    except TimeoutError:
+        raise TimeoutError(
+            f"{address}: {calls + 1} REQ/REP round trips not done in {RAW_REPLY_S:g} s"
+        ) from None
     finally:
         sock.close()
     return rtts if with_connect else rtts[1:]  # the first includes connecting
 
 
+async def _async_round_trips(sock: zmq.asyncio.Socket, calls: int) -> list[float]:
+    rtts = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await sock.send(i.to_bytes(8, "little"))
+        await sock.recv()
+        rtts.append(time.perf_counter() - t0)
+    return rtts
+
+
 def raw_blocking_rtts(address: str, calls: int) -> list[float]:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = with_deadline(zmq.Context.instance().socket(zmq.REQ))
     sock.connect(address)
     rtts = []
     try:
@@ -126,6 +152,8 @@ def raw_blocking_rtts(address: str, calls: int) -> list[float]:
             sock.send(i.to_bytes(8, "little"))
             sock.recv()
             rtts.append(time.perf_counter() - t0)
+    except zmq.Again:
+        raise TimeoutError(f"{address}: a blocking REQ got no reply within {RAW_REPLY_S:g} s") from None
     finally:
         sock.close()
     return rtts[1:]
@@ -144,15 +172,17 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
-async def run(report: Report, rounds: int, calls: int) -> None:
+async def run(report: Report, rounds: int, calls: int, mib: int) -> None:
+    big = mib * MiB  # bytes of each tensor transfer
     rng = np.random.default_rng(0)
-    noise = rng.random(BIG // 4, dtype=np.float32)  # 64 MiB of incompressible float32
-    zeros = np.zeros(BIG // 4, dtype=np.float32)
+    noise = rng.random(big // 4, dtype=np.float32)  # incompressible float32
+    zeros = np.zeros(big // 4, dtype=np.float32)
     zeros[::1024] = rng.random(zeros[::1024].size, dtype=np.float32)  # 99.9% zeros
     payload = memoryview(noise).cast("B")
     seeds = new_seeds()  # (d), (e): the run's authorizer and the servers' key, for this run only
     authorizer, server_key = key_from_env(AUTHORIZER_SEED_ENV, seeds), key_from_env(SERVER_SEED_ENV, seeds)
     secure = lambda kind: spawn_python([SERVERS, kind, "--secure"], env=seeds)  # noqa: E731
+    report.note("starting the 8 server processes")
     with (
         spawn_python([SERVERS, "agora"]) as agora_node,
         spawn_python([SERVERS, "rep"]) as rep_node,
@@ -162,32 +192,37 @@ async def run(report: Report, rounds: int, calls: int) -> None:
         secure("rep") as curve_rep_node,
         secure("rep-async") as curve_rep_async_node,
         secure("pull") as curve_pull_node,
+        contextlib.ExitStack() as raw_sockets,  # closed first, before their servers stop
     ):
-        agora_address = agora_node.read_until("ADDRESS ")
-        rep_address = rep_node.read_until("ADDRESS ")
-        rep_async_address = rep_async_node.read_until("ADDRESS ")
-        auth_address = auth_node.read_until("ADDRESS ")
-        curve_rep_address = curve_rep_node.read_until("ADDRESS ")
-        curve_rep_async_address = curve_rep_async_node.read_until("ADDRESS ")
+        listening = lambda node: node.read_until("ADDRESS ", timeout_s=SERVERS_START_S)  # noqa: E731
+        agora_address = listening(agora_node)
+        rep_address = listening(rep_node)
+        rep_async_address = listening(rep_async_node)
+        auth_address = listening(auth_node)
+        curve_rep_address = listening(curve_rep_node)
+        curve_rep_async_address = listening(curve_rep_async_node)
         ctx = zmq.Context.instance()
-        push, ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        curve_push, curve_ack = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push, ack, curve_push, curve_ack = (
+            raw_sockets.enter_context(with_deadline(ctx.socket(kind)))
+            for kind in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL)
+        )
         curve_client(curve_push, server_key.public_key)  # the ack stays plain, as the server's
         for node, sockets in ((pull_node, (push, ack)), (curve_pull_node, (curve_push, curve_ack))):
-            for sock, address in zip(sockets, node.read_until("ADDRESS ").split(), strict=True):
+            for sock, address in zip(sockets, listening(node).split(), strict=True):
                 sock.connect(address)
         client_key = NodeKey.generate()
         secured = RpcClient(security=security_of(client_key, authorizer), node_id=client_key.node_id)
         secured.security.expect(auth_address, server_key.public_key)
         async with RpcClient() as client, RpcClient(config=NO_LZ4) as plain, secured:
+            report.note("warming up: connections, the CURVE handshakes and greetings")
             await agora_transfer_s(client, agora_address, noise, 1)  # connect and warm up
             await agora_transfer_s(plain, agora_address, noise, 1)
             await agora_transfer_s(secured, auth_address, noise, 1)  # CURVE handshake, greeting
             raw_push_s(push, ack, payload, 1)
             raw_push_s(curve_push, curve_ack, payload, 1)
 
-            # (a), (c) and (d): interleaved rounds, median seconds per 64 MiB
-            report.note(f"throughput: {rounds} rounds x {calls} transfers of 64 MiB each")
+            # (a), (c) and (d): interleaved rounds, median seconds per transfer
+            report.note(f"throughput: {rounds} rounds x {calls} transfers of {mib} MiB each")
             t_raw, t_agora, t_plain, t_zero, t_zero_plain, t_curve, t_auth = [], [], [], [], [], [], []
 
             def agora(cli, address, tensor):
@@ -213,9 +248,9 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 for pair in pairs:
                     for measure, times in pair if i % 2 == 0 else pair[::-1]:
                         times.append(await measure())
-            gbps = lambda seconds: BIG / statistics.median(seconds) / 1e9  # noqa: E731
+            gbps = lambda seconds: big / statistics.median(seconds) / 1e9  # noqa: E731
             report.compare(
-                "tensor_64MiB_request_throughput",
+                f"tensor_{mib}MiB_request_throughput",
                 gbps(t_agora),
                 gbps(t_raw),
                 "GB/s",
@@ -289,14 +324,14 @@ async def run(report: Report, rounds: int, calls: int) -> None:
 
             # (d) and (e): authenticated and encrypted, against bare CURVE sockets
             report.compare(
-                "auth_tensor_64MiB_request_throughput",
+                f"auth_tensor_{mib}MiB_request_throughput",
                 gbps(t_auth),
                 gbps(t_curve),
                 "GB/s",
                 target="ratio >= 0.8 vs bare CURVE PUSH/PULL",
             )
             report.add("bare_curve_push_pull_throughput", gbps(t_curve), "GB/s")
-            report.compare("auth_tensor_64MiB_vs_plain_agora", gbps(t_auth), gbps(t_agora), "GB/s")
+            report.compare(f"auth_tensor_{mib}MiB_vs_plain_agora", gbps(t_auth), gbps(t_agora), "GB/s")
             compare_rtts(report, "auth_small_request_rtt", auth, curve_async, "bare CURVE asyncio REQ/REP")
             report.compare(
                 "auth_small_request_rtt_p50_vs_curve_asyncio_req_blocking_rep",
@@ -317,23 +352,23 @@ async def run(report: Report, rounds: int, calls: int) -> None:
                 "auth_first_call_vs_bare_curve_first_round_trip", ms(connect_auth), ms(connect_curve), "ms"
             )
         # Where links are slower than LZ4 (the internet, not loopback) the policy pays in time too.
+        report.note("zero-heavy tensors over an emulated 1 Gbit/s link, LZ4 on and off")
         link = LinkEmulator(LinkConfig(up_bits_per_s=1e9))
         async with RpcClient(link=link) as shaped, RpcClient(link=link, config=NO_LZ4) as shaped_plain:
             on_s = await agora_transfer_s(shaped, agora_address, zeros, 1)
             off_s = await agora_transfer_s(shaped_plain, agora_address, zeros, 1)
-        report.compare("lz4_policy_zero_heavy_over_1gbit_link", BIG / on_s / 1e9, BIG / off_s / 1e9, "GB/s")
-        for sock in (push, ack, curve_push, curve_ack):
-            sock.close()
+        report.compare("lz4_policy_zero_heavy_over_1gbit_link", big / on_s / 1e9, big / off_s / 1e9, "GB/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
-    parser.add_argument("--calls", type=int, default=4, help="64 MiB transfers per round")
-    args = parser.parse_args()
+    parser.add_argument("--calls", type=int, default=4, help="tensor transfers per round")
+    parser.add_argument("--mib", type=int, default=64, help="MiB of each tensor transfer (default 64)")
+    _harness.add_arguments(parser, deadline_s=900)
+    args = _harness.parse(parser, smoke={"rounds": 1, "calls": 1, "mib": 1})
     report = Report("transport", as_json=args.json)
-    asyncio.run(run(report, args.rounds, args.calls))
+    asyncio.run(run(report, args.rounds, args.calls, args.mib))
     report.finish()
 
 

@@ -1,0 +1,120 @@
+"""Every benchmark runs in its ``--smoke`` mode: tiny sizes, a few seconds, figures checked for
+shape, not for speed. An API change that breaks a benchmark fails here, not months later in
+a user's hands. The deadline is the benchmark's own (``benchmarks/_harness.py``); the test's
+is a backstop a little longer, after which it kills the benchmark's whole process group."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SMOKE_DEADLINE_S = 150  # benchmarks/_harness.py's SMOKE_DEADLINE_S
+BACKSTOP_S = SMOKE_DEADLINE_S + 30
+PARALLEL = 2  # smoke runs at a time
+# Benchmarks that another test runs whole, named with that test.
+RUN_ELSEWHERE = {"join_churn": "tests/test_swarm_join_churn.py runs it for one seed"}
+
+
+def benchmark_names() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_benchmark_is_smoked_or_run_elsewhere():
+    names = benchmark_names()
+    assert "transport" in names and "dht" in names, names  # the glob found the folder
+    assert set(RUN_ELSEWHERE) <= set(names), "a benchmark named in RUN_ELSEWHERE no longer exists"
+    for name in names:
+        source = (BENCHMARKS / f"{name}.py").read_text()
+        assert "_harness.parse(" in source, f"benchmarks/{name}.py does not parse its arguments with _harness"
+
+
+@dataclass
+class SmokeRun:
+    returncode: int | None  # None: it outlived the backstop
+    out: str
+    err: str
+
+
+def run_smoke(name: str) -> SmokeRun:
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group: the backstop below stops all of it
+    )
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=BACKSTOP_S)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        if proc.returncode is None:  # not reaped yet, so its group id is still its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=30)
+    return SmokeRun(None if timed_out else proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request) -> Iterator[dict[str, concurrent.futures.Future]]:
+    """The smoke runs of the benchmarks this session selected, PARALLEL at a time, started in
+    the order their tests run: each test then waits about as long as its own run. Most of a
+    smoke run's time is start-up and waiting, so two share the two cores well."""
+    selected = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.originalname == "test_benchmark_smoke" and hasattr(item, "callspec")
+    ]
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(run_smoke, name) for name in selected}
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()  # those not started; the started ones finish within their deadline
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BACKSTOP_S + 60)
+@pytest.mark.parametrize("name", [n for n in benchmark_names() if n not in RUN_ELSEWHERE])
+def test_benchmark_smoke(name, smoke_runs):
+    # the runs before this test's have finished, as their tests did: it waits for its own
+    run = smoke_runs[name].result(timeout=BACKSTOP_S + 30)
+    if run.returncode is None:
+        pytest.fail(
+            f"{name} --smoke outlived its own deadline by {BACKSTOP_S - SMOKE_DEADLINE_S} s\n{run.err[-3000:]}"
+        )
+    assert run.returncode == 0, f"{name} --smoke exited {run.returncode}\n{run.err[-4000:]}"
+    lines = [line for line in run.out.splitlines() if line.startswith("{")]
+    assert lines, f"{name} --smoke --json printed no JSON object:\n{run.out[-2000:]}\n{run.err[-2000:]}"
+    result = json.loads(lines[-1])
+    assert result["benchmark"], result
+    assert result["figures"], f"{name} --smoke reported no figure"
+    for figure in result["figures"]:
+        assert figure["name"] and figure["unit"], figure
+        assert math.isfinite(figure["value"]), f"{name}: {figure['name']} is {figure['value']}"
+
+
+def test_the_readme_table_shows_the_saved_results():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "benchmark_results.py"), "table", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -140,7 +140,7 @@ class DrivenSwarm:
         dead = []
         with self.lock:
             for member in self.swarm.members:
-                if member.alive and not processes.alive(member.pid):
+                if member.alive and not processes.alive(member.pid, member.started):
                     member.alive = False
                     dead.append(member)
             if dead:
@@ -148,7 +148,7 @@ class DrivenSwarm:
         return dead
 
     def trainer_running(self) -> bool:
-        return any(processes.alive(m.pid) for m in self.members("trainer"))
+        return any(processes.alive(m.pid, m.started) for m in self.members("trainer"))
 
     def operator(self) -> tuple[NodeKey, SignedCredential]:
         run = self.run

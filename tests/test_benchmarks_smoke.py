@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,3 +119,35 @@ def test_the_readme_table_shows_the_saved_results():
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds ``marker`` (this user's: /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "environ").read_bytes():
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the processes left through /proc")
+def test_a_benchmark_past_its_deadline_says_what_it_waited_for_and_stops_everything():
+    marker = f"AGORA_DEADLINE_TEST={os.getpid()}-{time.monotonic_ns()}"
+    name, value = marker.split("=")
+    # routing measures for 60 s behind a child process serving its stages: the deadline comes first
+    command = [sys.executable, str(BENCHMARKS / "routing.py"), "--lanes", "2", "--stages", "2"]
+    command += ["--seconds", "60", "--deadline-s", "8"]
+    started = time.monotonic()
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=90, env={**os.environ, name: value}
+    )
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    assert time.monotonic() - started < 40
+    assert "no result within 8 s" in done.stderr and "waiting for: 2 lanes" in done.stderr, done.stderr[
+        -3000:
+    ]
+    assert processes_with(marker) == []  # its serving child too

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +111,42 @@ async def served(address: str, kind: str, clients: int, seconds: float) -> tuple
     return done / elapsed, before, after
 
 
+@dataclass
+class ThreadTimes:
+    """The worker's threads' scheduler times (/proc schedstat: ns running, ns runnable but
+    waiting for a core) and this process's CPU time (the clients), at one instant."""
+
+    wall: float
+    threads: dict[int, tuple[int, int]]  # tid -> (running ns, waiting ns)
+    main_tid: int
+    clients_cpu: float
+
+    @classmethod
+    def of(cls, pid: int) -> ThreadTimes:
+        threads = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                running, waiting, _slices = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                threads[int(tid)] = (int(running), int(waiting))
+        return cls(time.perf_counter(), threads, pid, time.process_time())
+
+    def shares_since(self, before: ThreadTimes) -> dict[str, float]:
+        wall_ns = (self.wall - before.wall) * 1e9
+        deltas = {
+            tid: (run - before.threads.get(tid, (0, 0))[0], wait - before.threads.get(tid, (0, 0))[1])
+            for tid, (run, wait) in self.threads.items()
+        }
+        loop = deltas.get(self.main_tid, (0, 0))
+        # the compute thread: the other thread that ran most (ZeroMQ's I/O threads run little)
+        compute = max((d for tid, d in deltas.items() if tid != self.main_tid), default=(0, 0))
+        return {
+            "compute_running": compute[0] / wall_ns,
+            "compute_waiting_for_a_core": compute[1] / wall_ns,
+            "event_loop_running": loop[0] / wall_ns,
+            "clients_running": (self.clients_cpu - before.clients_cpu) * 1e9 / wall_ns,
+        }
+
+
 async def run(report: Report, seconds: float, clients: int, max_batch: int, rounds: int) -> None:
     command = [SCRIPT, "--serve", "--max-batch", str(max_batch)]
     with spawn_python(command) as child:
@@ -118,9 +157,11 @@ async def run(report: Report, seconds: float, clients: int, max_batch: int, roun
                 f"{kind}: {rounds} rounds of {clients} clients, each followed by in-process batches of "
                 f"{max_batch} and of the batch formed so far"
             )
-            rates, baselines, formed_rates, sizes = [], [], [], []
+            rates, baselines, formed_rates, sizes, shares = [], [], [], [], []
             for _ in range(rounds):  # interleaved: the machine's noise hits both alike
+                before = ThreadTimes.of(child.pid)
                 rate, _before, after = await served(address, kind, clients, seconds / rounds)
+                shares.append(ThreadTimes.of(child.pid).shares_since(before))
                 rates.append(rate)
                 sizes += after["recent_batch_sizes"][-100:]
                 baselines.append(inprocess_samples_per_s(kind, max_batch, seconds / rounds))
@@ -144,6 +185,17 @@ async def run(report: Report, seconds: float, clients: int, max_batch: int, roun
             report.compare(f"{kind}_samples_per_s_vs_formed_batch", rate, formed, "samples/s")
             # Per request: the time a saturated worker spends on anything but the module itself.
             report.add(f"{kind}_runtime_overhead_per_request", (1 / rate - 1 / baseline) * 1e6, "us")
+            # Where the compute thread's wall time went while served: running, ready but
+            # waiting for a core (the clients and the event loop share the two), or idle.
+            for share in (
+                "compute_running",
+                "compute_waiting_for_a_core",
+                "event_loop_running",
+                "clients_running",
+            ):
+                report.add(
+                    f"{kind}_{share}_share", float(np.median([s[share] for s in shares])), "of wall time"
+                )
 
 
 def main() -> None:

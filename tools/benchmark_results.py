@@ -86,8 +86,9 @@ def render_table() -> str:
 
 
 def _value(figure: dict) -> str:
+    """As the benchmark prints it: ``value unit (ratio x)``; its target says which it bounds."""
     value = f"{figure['value']:.4g} {figure['unit']}"
-    return f"**{figure['ratio']:.3g}x** ({value})" if figure.get("ratio") is not None else f"**{value}**"
+    return f"{value} ({figure['ratio']:.3g}x)" if figure.get("ratio") is not None else value
 
 
 def readme_with_table(text: str, table: str) -> str:

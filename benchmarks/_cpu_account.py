@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+import _proc
+
 PERIOD_S = 0.25  # sampling period: short against a training window of tens of seconds
 
 
@@ -83,18 +83,9 @@ class CpuAccount:
 def _threads(pid: int) -> list[tuple[int, str, float]]:
     """(tid, kind, CPU seconds) of each thread of ``pid``; empty once it is gone."""
     found = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for entry in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        tid = int(entry)
-        kind = "event_loop" if tid == pid else "zmq_io" if name.startswith("ZMQbg") else "threads"
-        found.append((tid, kind, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS))
+    for tid in _proc.threads(pid):
+        stat = _proc.stat(pid, tid)
+        if stat is not None:
+            kind = "event_loop" if tid == pid else "zmq_io" if stat.name.startswith("ZMQbg") else "threads"
+            found.append((tid, kind, stat.cpu_s))
     return found

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import _proc
+
 DEADLINE_EXIT = 3
 SMOKE_DEADLINE_S = 150.0  # a smoke run takes seconds; this only catches a hang
 _STOP_GRACE_S = 5.0  # between SIGTERM and SIGKILL for the processes left at the deadline
@@ -47,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, deadline_s: float) -> None
 
 def parse(parser: argparse.ArgumentParser, *, smoke: dict[str, object]) -> argparse.Namespace:
     """Parse the command line; with ``--smoke``, ``smoke``'s values replace the arguments of
-    the same names. Arms the deadline."""
+    the same names. Arms the deadline, except in a benchmark's own child process (``--serve``)."""
     args = parser.parse_args()
+    if getattr(args, "serve", None):
+        return args  # the benchmark's own child process (--serve): its parent's deadline stops it
     if args.smoke:
         for name, value in smoke.items():
             if not hasattr(args, name):
@@ -109,19 +113,12 @@ def stop_descendants() -> None:
 
 
 def _descendants(root: int) -> list[int]:
-    """Pids below ``root`` in the process tree, from /proc (empty where there is none)."""
+    """Pids below ``root`` in the process tree (empty where there is no /proc)."""
     children: dict[int, list[int]] = {}
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            # the command name may hold spaces and parentheses: fields follow the last ")"
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
+    for pid in _proc.pids():
+        found = _proc.stat(pid)
+        if found is not None:
+            children.setdefault(found.ppid, []).append(pid)
     found, queue = [], [root]
     while queue:
         for child in children.get(queue.pop(), []):
@@ -131,8 +128,5 @@ def _descendants(root: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie is dead; its parent has not reaped it yet
+    found = _proc.stat(pid)
+    return found is not None and found.state != "Z"  # a zombie is dead, just not reaped yet

@@ -359,13 +359,13 @@ def main() -> None:
     parser.add_argument("--values", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--link", help=argparse.SUPPRESS)
     _harness.add_arguments(parser, deadline_s=1200)
-    if "--serve" in sys.argv[1:]:  # a peer: no deadline of its own, its parent's stops it
-        serve(parser.parse_args())
-        return
     args = _harness.parse(
         parser,
         smoke={"megabytes": 0.1, "peers": 2, "rounds": 1, "link_rounds": 1, "death_chunk_timeout_s": 1.0},
     )
+    if args.serve:  # a peer
+        serve(args)
+        return
 
     report = Report("allreduce", as_json=args.json)
     report.note(

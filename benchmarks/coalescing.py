@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 
 import _harness
+import _proc
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Method
@@ -123,11 +122,9 @@ class ThreadTimes:
 
     @classmethod
     def of(cls, pid: int) -> ThreadTimes:
-        threads = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                running, waiting, _slices = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
-                threads[int(tid)] = (int(running), int(waiting))
+        threads = {
+            tid: times for tid in _proc.threads(pid) if (times := _proc.schedstat(pid, tid)) is not None
+        }
         return cls(time.perf_counter(), threads, pid, time.process_time())
 
     def shares_since(self, before: ThreadTimes) -> dict[str, float]:
@@ -206,9 +203,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved measurement rounds")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     _harness.add_arguments(parser, deadline_s=900)
-    if "--serve" in sys.argv[1:]:  # the worker: no deadline of its own, its parent's stops it
-        return asyncio.run(serve(parser.parse_args().max_batch))
     args = _harness.parse(parser, smoke={"seconds": 1.0, "clients": 4, "max_batch": 2, "rounds": 1})
+    if args.serve:  # the worker
+        return asyncio.run(serve(args.max_batch))
     report = Report("coalescing", as_json=args.json)
     asyncio.run(run(report, args.seconds, args.clients, args.max_batch, args.rounds))
     report.finish()

@@ -41,6 +41,7 @@ from pathlib import Path
 from statistics import median
 
 import _harness
+import _proc
 from _churn_swarm import DrivenSwarm, ensure_shards, run_up  # benchmarks/ is on sys.path as a script
 from _cpu_account import CpuAccount
 from _report import Report
@@ -48,7 +49,6 @@ from swarm_results import centralized_rate  # tools/ is on sys.path once _churn_
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.toml"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SWARM_RUN_S = 1800.0  # one `swarm.py up` of --samples samples, start to end
 IDLE_REPLICAS = 2  # workers per stage of the idle swarm
 IDLE_SETTLE_S = 5.0  # an idle swarm's start-up (joins, first announcements, weight sync) settling
@@ -122,11 +122,8 @@ def report_cpu_account(report: Report, runs: list[SwarmRun], replicas: int, cent
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of one process so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    found = _proc.stat(pid)
+    return found.cpu_s if found is not None else 0.0
 
 
 def idle_cores(

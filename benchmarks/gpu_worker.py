@@ -346,10 +346,9 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the served worker's
     _harness.add_arguments(parser, deadline_s=2400)
-    if "--serve" in sys.argv[1:]:  # the worker: no deadline of its own, its parent's stops it
-        args = parser.parse_args()
-        return asyncio.run(serve(stage_run(args.width, args.step_every), args.device, args.compute_weights))
     args = _harness.parse(parser, smoke={"seconds": 0.5, "lanes": 2, "step_every": 4, "width": "tiny"})
+    if args.serve:  # the worker
+        return asyncio.run(serve(stage_run(args.width, args.step_every), args.device, args.compute_weights))
     report = Report("gpu_worker", as_json=args.json)
     if torch.cuda.is_available():
         served_path(report, args, "cuda")

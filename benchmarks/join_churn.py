@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 import _harness
+from _churn_swarm import stop_up
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_trainer.cursor import reading_order
@@ -61,8 +62,6 @@ SETTLE = 512  # samples before the windows are judged: the loss falls steeply at
 START_S = 240.0  # `up` until every worker serves (shards made, torch imported on two cores)
 COMMAND_S = 150.0  # one kill-worker or add-worker
 MARGIN_S = 120.0  # export, evaluation and the centralized comparison at the end of `up`
-UP_STOP_S = 60.0  # `up` stopping its nodes on SIGTERM
-DOWN_S = 90.0  # `swarm.py down`
 SMOKE_SAMPLES = 128  # the fewest that still leave room for a kill and an add before the end
 # Every run's deadline together, with the default 10 seeds and 6144 samples (and a margin).
 FULL_DEADLINE_S = 18000
@@ -164,17 +163,8 @@ def run_swarm(args, run_dir: Path, *, churn: random.Random | None, stages: int, 
         except subprocess.TimeoutExpired:
             raise RunFailed(f"the run's end, within {deadline_s:g} s; see {log}") from None
         finally:
-            if proc.poll() is None:
-                proc.terminate()  # `up` stops its nodes on the way out
-                try:
-                    proc.wait(timeout=UP_STOP_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
-            # always: an add-worker cut short may have started a node `up` never knew of
-            if (run_dir / "swarm.json").exists():
-                down = [sys.executable, SWARM, "down", "--run-dir", str(run_dir)]
-                subprocess.run(down, stdout=subprocess.DEVNULL, timeout=DOWN_S)  # --json: one object
+            # down always: an add-worker cut short may have started a node `up` never knew of
+            stop_up(proc, run_dir, down=True)
     text = log.read_text()
     if proc.returncode:
         raise RunFailed(f"`swarm.py up` exited {proc.returncode}; see {log}")

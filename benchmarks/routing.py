@@ -162,10 +162,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     _harness.add_arguments(parser, deadline_s=300)
-    serve = parser.parse_args().serve
-    if serve:  # the workers' process: run() stops it, so it keeps no deadline of its own
-        return asyncio.run(serve_workers(serve))
     args = _harness.parse(parser, smoke={"lanes": [2], "seconds": 0.5, "stages": 2})
+    if args.serve:  # the workers' process
+        return asyncio.run(serve_workers(args.serve))
     configure_logging(fmt="console", level="warning")
     report = Report("routing", as_json=args.json)
     asyncio.run(run(report, args.lanes, args.seconds, args.stages))

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+# tools/ is on sys.path: tests/conftest.py loads tests/swarm_driver.py, which puts it there
+from benchmark_results import benchmark_names
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 SMOKE_DEADLINE_S = 150  # benchmarks/_harness.py's SMOKE_DEADLINE_S
@@ -27,10 +30,6 @@ BACKSTOP_S = SMOKE_DEADLINE_S + 30
 PARALLEL = 2  # smoke runs at a time
 # Benchmarks that another test runs whole, named with that test.
 RUN_ELSEWHERE = {"join_churn": "tests/test_swarm_join_churn.py runs it for one seed"}
-
-
-def benchmark_names() -> list[str]:
-    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
 
 
 def test_every_benchmark_is_smoked_or_run_elsewhere():

@@ -7,14 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from swarm_driver import ROOT  # noqa: F401 (tests/ is on sys.path; it puts tools/ there too)
+# tools/ is on sys.path: tests/conftest.py loads tests/swarm_driver.py, which puts it there
 from swarm_processes import Member, SwarmFile, alive, kill_last_worker, process_start, stop_all
-
-SLEEPER = "import time; time.sleep(120)"
 
 
 def start_sleeper() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SLEEPER])
+    """A process that lives until its stdin closes or it is signalled."""
+    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
 
 
 def swarm_with(tmp_path, proc: subprocess.Popen, started: int) -> SwarmFile:
@@ -36,7 +35,7 @@ def test_a_reused_pid_is_neither_alive_nor_killed(tmp_path):
         assert stranger.poll() is None, "down stopped a process the swarm never started"
     finally:
         stranger.kill()
-        stranger.wait(timeout=10)
+        stranger.communicate(timeout=10)
 
 
 def test_down_still_stops_the_members_it_started(tmp_path):
@@ -45,7 +44,7 @@ def test_down_still_stops_the_members_it_started(tmp_path):
         swarm = swarm_with(tmp_path, member, started=process_start(member.pid))
         assert alive(member.pid, swarm.members[0].started)
         stop_all(SwarmFile.load(tmp_path), timeout_s=5)  # a swarm.json written by `up`, read back
-        assert member.wait(timeout=10) is not None
+        assert not alive(member.pid, swarm.members[0].started)  # stop_all reaps it: its status is gone
     finally:
         member.kill()
-        member.wait(timeout=10)
+        member.communicate(timeout=10)

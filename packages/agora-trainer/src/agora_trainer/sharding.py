@@ -242,26 +242,21 @@ def _worker_pool(workers: int, args: tuple) -> Iterator[concurrent.futures.Proce
     A process pool executor, not ``multiprocessing.Pool``: when a worker dies (a signal, the
     out-of-memory killer), its jobs fail at once instead of never returning."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    before = os.environ.get(PARALLELISM)
-    os.environ[PARALLELISM] = "false"
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(method), initializer=start_worker, initargs=args
+    )
     try:
-        pool = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context(method), initializer=start_worker, initargs=args
-        )
-        # the workers start now, before any shard file is open: a forked child must not inherit one
+        # the workers start (fork) now, before any shard file is open: a child must not inherit one
+        before = os.environ.get(PARALLELISM)
+        os.environ[PARALLELISM] = "false"
         try:
             with _worker_failures():
                 pool.submit(os.getpid).result(timeout=JOB_DEADLINE_S)
-        except BaseException:
-            _kill_workers(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    finally:
-        if before is None:
-            del os.environ[PARALLELISM]
-        else:
-            os.environ[PARALLELISM] = before
-    try:
+        finally:
+            if before is None:
+                del os.environ[PARALLELISM]
+            else:
+                os.environ[PARALLELISM] = before
         yield pool
     except BaseException:
         _kill_workers(pool)  # a stuck worker would hold the shutdown below forever

@@ -144,3 +144,29 @@ def test_a_member_restarted_on_a_clock_behind_its_previous_life_rejoins_above_it
         with host.active():
             sim.run(again.stop(leave=False))
         swarm.stop()
+
+
+def test_members_started_together_probe_at_phases_spread_over_the_period():
+    """Each detector starts its cadence at a random phase: members started at one instant (a
+    swarm brought up at once, many nodes in one process) must not all probe in one burst."""
+    config = DhtConfig()
+    with Simulation(seed=5) as sim:
+        swarm = SimDhtSwarm(sim, config=config)
+        swarm.add(16)
+        assert swarm.run_until(swarm.converged, limit_s=60.0) is not None
+        phases: dict[str, float] = {}
+        counts = {n.node_id: n.gossip.detector.probes for n in swarm.nodes}
+        step_s = config.gossip_period_s / 100
+        for _ in range(200):  # two periods: every member probes in each
+            sim.run_for(step_s)
+            for node in swarm.nodes:
+                probes = node.gossip.detector.probes
+                if probes != counts[node.node_id] and node.node_id not in phases:
+                    phases[node.node_id] = sim.elapsed_s % config.gossip_period_s
+                counts[node.node_id] = probes
+        swarm.stop()
+    assert len(phases) == 16
+    ordered = sorted(phases.values())
+    gaps = [b - a for a, b in zip(ordered, ordered[1:])] + [ordered[0] + config.gossip_period_s - ordered[-1]]
+    # one burst leaves most of the period empty; 16 random phases leave no gap near half of it
+    assert max(gaps) < 0.5 * config.gossip_period_s, ordered

@@ -113,8 +113,12 @@ class FailureDetector:
         self._table.suspect(target.node_id)
 
     async def run(self) -> None:
-        """Probe once per period at a fixed cadence, and age suspicions, until cancelled."""
-        next_tick = world.monotonic()
+        """Probe once per period at a fixed cadence, and age suspicions, until cancelled.
+
+        The cadence starts at a random phase: members started together (a swarm brought up at
+        once, many nodes in one process) would otherwise probe in one burst every period."""
+        next_tick = world.monotonic() + self._rng.uniform(0, self._period_s)
+        await asyncio.sleep(next_tick - world.monotonic())
         while True:
             next_tick += self._period_s
             if self._suspects or self._table.suspects():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agora_core.logs import configure_logging
-from agora_core.testing_postgres import create_database, postgres_server
-from agora_core.testing_prometheus import pushgateway_process
+from agora_devkit.postgres import create_database, postgres_server
+from agora_devkit.prometheus import pushgateway_process
 
 
 @pytest.fixture(scope="session", autouse=True)

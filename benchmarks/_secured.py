@@ -14,8 +14,8 @@ import zmq
 
 from agora_core.auth.curve import curve_keypair, curve_public_key
 from agora_core.auth.security import TransportSecurity
-from agora_core.auth.testing import TestAuthority
 from agora_core.identity import NodeKey
+from agora_devkit.authority import TestAuthority
 
 RUN = "transport-benchmark"
 AUTHORIZER_SEED_ENV = "AGORA_BENCH_AUTHORIZER_SEED"

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
+from agora_devkit.authorizer import TestJoiner, authorizer_process, small_run
 
 ADMISSION_WAIT_S = 600.0  # a joiner's wait for its credential, in the largest crowd
 
@@ -150,7 +150,7 @@ def start_postgres(stack: contextlib.ExitStack, report: Report, smoke: bool) -> 
     """A throwaway PostgreSQL server's URL (stopped with ``stack``); None under --smoke where
     none can run here, so that the smoke still proves the SQLite path."""
     # imported here: psycopg is a dev requirement, which a SQLite-only run does without
-    from agora_core.testing_postgres import PostgresUnavailable, postgres_server
+    from agora_devkit.postgres import PostgresUnavailable, postgres_server
 
     report.note("starting a throwaway PostgreSQL server")
     try:
@@ -164,7 +164,7 @@ def start_postgres(stack: contextlib.ExitStack, report: Report, smoke: bool) -> 
 
 async def measure_postgres(report: Report, directory: Path, args) -> None:
     """``measure`` on a throwaway PostgreSQL server, a fresh database per authorizer."""
-    from agora_core.testing_postgres import create_database
+    from agora_devkit.postgres import create_database
 
     with contextlib.ExitStack() as stack:
         server = start_postgres(stack, report, args.smoke)

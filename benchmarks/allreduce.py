@@ -48,7 +48,7 @@ from agora_core.contract import Phase
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.run_node import rpc_config
-from agora_core.testing import ChildProcess, spawn_python
+from agora_devkit.processes import ChildProcess, spawn_python
 from agora_worker.averaging.allreduce import all_reduce
 from agora_worker.averaging.board import ReductionBoard
 from agora_worker.averaging.matchmaking import Group, Peer

@@ -34,7 +34,7 @@ from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 from agora_worker.compute import build_compute
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker

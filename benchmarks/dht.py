@@ -59,7 +59,7 @@ from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcConfig
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 
 # The run config's defaults (1 s periods, 5 s suspicion timeout): a real swarm's cadence, and
 # enough headroom for 128 nodes sharing one event loop on two cores.

@@ -47,7 +47,7 @@ from agora_core.contract import Method
 from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcClient
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer

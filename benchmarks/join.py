@@ -44,7 +44,7 @@ from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcClient
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")

@@ -253,7 +253,7 @@ async def api_figures(report: Report, args, backends: list[str], postgres_url) -
 def without_absent_postgres(backends: list[str], postgres_url, report: Report) -> list[str]:
     """``backends`` less PostgreSQL where its server cannot run here (--smoke: the SQLite
     path is still proved); else the server is started now."""
-    from agora_core.testing_postgres import PostgresUnavailable
+    from agora_devkit.postgres import PostgresUnavailable
 
     try:
         postgres_url()
@@ -286,7 +286,7 @@ def main() -> None:
         server = []
 
         def postgres_url() -> str:  # one throwaway server for every PostgreSQL figure
-            from agora_core.testing_postgres import create_database, postgres_server
+            from agora_devkit.postgres import create_database, postgres_server
 
             if not server:
                 report.note("starting a throwaway PostgreSQL server")

@@ -55,7 +55,7 @@ from agora_core.injection import INJECTED_EXIT_CODE, Targets
 from agora_core.injection.publish import clear, new_injection, publish
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, poll_until, spawn_python
+from agora_devkit.processes import ChildProcess, poll_until, spawn_python
 
 STAGE = 1
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "AGORA_LOG_LEVEL": "warning"}

@@ -31,7 +31,7 @@ from agora_core.identity import NodeKey
 from agora_core.logs import configure_logging
 from agora_core.rpc import Payload, RpcServer
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings

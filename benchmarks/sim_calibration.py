@@ -6,7 +6,7 @@
                                          [--json] [--smoke]
 
 Three observations of the report (sections 3.4 and 5), each measured on the scenarios of
-``examples/sim/calibration/`` (real workers and trainers in virtual time, ``tools/sim_swarm.py``):
+``examples/sim/calibration/`` (real workers and trainers in virtual time, ``agora_sim/swarm.py``):
 
 1. Saturation and the bottleneck's utilization. The report adds trainers until the marginal
    gain in tokens/s diminishes (3.4.4) and then reads its bottleneck (the tail, paced by its
@@ -47,18 +47,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import sys
 import tomllib
 from pathlib import Path
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.logs import configure_logging
-from agora_core.sim.dht_swarm import LinkRange
+from agora_sim.dht_swarm import LinkRange
+from agora_sim.swarm import SwarmScenario, parse_swarm, run_swarm_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from sim_swarm import SwarmScenario, parse_swarm, run_swarm_scenario  # noqa: E402 - tools/ is not a package
 
 CALIBRATION = ROOT / "examples" / "sim" / "calibration"
 LANES = (6, 12, 18, 24)

@@ -12,7 +12,7 @@ that steady stretch (the baseline is real time: 1). Determinism: the same small 
 in two fresh processes (PYTHONHASHSEED=0) must print one trace digest (figure 1: they agree).
 
 Swarm: 4 stages x --workers real workers (surrogate stages of mixed speed) and --workers / 2
-trainers of 4 lanes on the same links (``tools/sim_swarm.py``), --seconds of training after
+trainers of 4 lanes on the same links (``agora_sim/swarm.py``), --seconds of training after
 start-up: virtual seconds per real second of that stretch, and the samples it trained per
 virtual second.
 
@@ -45,19 +45,18 @@ from pathlib import Path
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.logs import configure_logging
-from agora_core.sim import Simulation
-from agora_core.sim.dht_swarm import SimDhtSwarm
+from agora_sim import Simulation
+from agora_sim.dht_swarm import SimDhtSwarm
+from agora_sim.swarm import SwarmScenario, run_swarm_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from sim_swarm import SwarmScenario, run_swarm_scenario  # noqa: E402 - tools/ is not a package
 
 REPLAY = """
 import sys
 from agora_core.logs import configure_logging
 configure_logging(level="error")
-from agora_core.sim.dht_run import run_dht_scenario
-from agora_core.sim.scenario import Scenario, Churn
+from agora_sim.dht_run import run_dht_scenario
+from agora_sim.scenario import Scenario, Churn
 scenario = Scenario(seed=int(sys.argv[1]), members=48, duration_s=60.0, churn=Churn(joins_per_min=3, departures_per_min=3))
 print(run_dht_scenario(scenario).digest)
 """

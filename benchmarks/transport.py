@@ -45,8 +45,8 @@ from agora_core.codec import CompressionPolicy
 from agora_core.identity import NodeKey
 from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcConfig
-from agora_core.testing import spawn_python
 from agora_core.wire import Kind, Message, WireConfig, encode
+from agora_devkit.processes import spawn_python
 
 MiB = 1 << 20
 SERVERS_START_S = 60.0  # eight Python processes importing zmq and agora_core, on two cores

@@ -21,7 +21,7 @@ from agora_core.config import load_run_config
 from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.schema import averaging_summary_key
-from agora_core.testing import wait_until
+from agora_devkit.processes import wait_until
 from agora_trainer.cursor import reading_order
 from agora_trainer.shards import open_shard_set
 

@@ -1,6 +1,6 @@
 """An authorized run across two hosts, started by hand through the plain CLIs.
 
-The hosts are two network namespaces joined by a veth pair (``agora_core.testing_hosts``):
+The hosts are two network namespaces joined by a veth pair (``agora_devkit.hosts``):
 each node listens on its host's own address and advertises it, and every connection between
 them crosses the veth, as between two machines. Host A runs the DHT seed (an operator's
 ``dht`` credential), the authorizer and one worker per stage; host B runs the other replica
@@ -32,8 +32,8 @@ from agora_authorizer.store import Store
 from agora_core.admission.credential_file import save_credential
 from agora_core.config import load_run_config
 from agora_core.identity import NodeKey
-from agora_core.testing import wait_until
-from agora_core.testing_hosts import Host, HostsUnavailable, two_hosts
+from agora_devkit.hosts import Host, HostsUnavailable, two_hosts
+from agora_devkit.processes import wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agora_authorizer.testing import authorizer_process
-from agora_core.auth.testing import SMALL_MODEL
-from agora_core.testing import ChildProcess, spawn_python, wait_until
-from agora_core.testing_prometheus import PushGateway, check_metrics
+from agora_devkit.authority import SMALL_MODEL
+from agora_devkit.authorizer import authorizer_process
+from agora_devkit.processes import ChildProcess, spawn_python, wait_until
+from agora_devkit.prometheus import PushGateway, check_metrics
 from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from agora_core.config import load_run_config
-from agora_core.testing import wait_until
-from agora_monitor.testing import headless_chromium
+from agora_devkit.monitor import headless_chromium
+from agora_devkit.processes import wait_until
 from swarm_driver import make_swarm_config, make_swarm_shards  # tests/ is on sys.path (tests/conftest.py)
 
 pytestmark = pytest.mark.slow

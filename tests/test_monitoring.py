@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agora_core.testing_prometheus import promtool
+from agora_devkit.prometheus import promtool
 
 MONITORING = Path(__file__).resolve().parent.parent / "monitoring"
 

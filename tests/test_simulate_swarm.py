@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.sim.scenario import ScenarioError
+from agora_sim.scenario import ScenarioError
+from agora_sim.swarm import SwarmScenario, parse_swarm, run_swarm_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
-from sim_swarm import SwarmScenario, parse_swarm, run_swarm_scenario  # noqa: E402 - tools/ is not a package
 
 SMALL = SwarmScenario(
     seed=3,

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.sim.scenario import ScenarioError
+from agora_sim.scenario import ScenarioError
+from agora_sim.swarm import SwarmScenario, parse_swarm, run_swarm_scenario
+from agora_sim.swarm_faults import SwarmFaults
+from agora_sim.swarm_search import random_swarm_scenario, swarm_search_one
 from agora_worker.averaging.averager import Averager
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
-from sim_swarm import SwarmScenario, parse_swarm, run_swarm_scenario  # noqa: E402 - tools/ is not a package
-from sim_swarm_faults import SwarmFaults  # noqa: E402
-from sim_swarm_search import random_swarm_scenario, swarm_search_one  # noqa: E402
 
 FAULTY = SwarmScenario(
     seed=13,

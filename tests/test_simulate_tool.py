@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.sim.dht_run import run_dht_scenario
-from agora_core.sim.scenario import Churn, Faults, Scenario, ScenarioError, parse_scenario
-from agora_core.sim.search import random_scenario, search_one
+from agora_sim.dht_run import run_dht_scenario
+from agora_sim.scenario import Churn, Faults, Scenario, ScenarioError, parse_scenario
+from agora_sim.search import random_scenario, search_one
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "simulate.py"

@@ -14,7 +14,6 @@ import uuid
 import numpy as np
 import pytest
 
-from agora_authorizer.testing import GB, TestJoiner, authorizer_process, small_run
 from agora_core.admission import (
     CredentialError,
     sign_join_request,
@@ -27,7 +26,8 @@ from agora_core.admission.signed import sign_map
 from agora_core.contract import Method
 from agora_core.dht.records import RecordRejected, owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.testing import poll_until
+from agora_devkit.authorizer import GB, TestJoiner, authorizer_process, small_run
+from agora_devkit.processes import poll_until
 
 pytestmark = pytest.mark.slow
 

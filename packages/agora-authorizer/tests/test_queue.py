@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from agora_authorizer.testing import TestJoiner, authorizer_process, small_run
 from agora_core.admission.join_client import AdmissionRefused
 from agora_core.identity import NodeKey
+from agora_devkit.authorizer import TestJoiner, authorizer_process, small_run
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from agora_authorizer.store import Ban, Store
-from agora_core.testing import ChildProcess, spawn_python
+from agora_devkit.processes import ChildProcess, spawn_python
 
 NOW = 1_700_000_000.0
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.auth.testing import TestAuthority
-from agora_core.testing import spawn_python
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import spawn_python
 
 RPC_NODE = str(Path(__file__).parent / "rpc_node.py")
 

@@ -28,7 +28,7 @@ from agora_core.dht import DhtNode, RecordRejected, Status, bulk, member_list, o
 from agora_core.dht.records import make_record
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, poll_until, spawn_python, wait_until_async
+from agora_devkit.processes import ChildProcess, poll_until, spawn_python, wait_until_async
 
 IN_PROCESS = 32
 PROCESSES = 6

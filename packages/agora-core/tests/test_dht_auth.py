@@ -19,7 +19,6 @@ import pytest
 
 from agora_core.admission.revocations import Revocations
 from agora_core.auth.peers import PeerVerifier
-from agora_core.auth.testing import TestAuthority
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode, Status
 from agora_core.dht import claims as claims_module
@@ -30,7 +29,8 @@ from agora_core.dht.membership import Member
 from agora_core.dht.records import Record, make_record
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import wait_until_async
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import wait_until_async
 
 RUN = "auth-test"
 PERIOD_S = 0.2

@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import random
 
-from agora_core.auth.testing import TestAuthority
 from agora_core.contract import Method
 from agora_core.dht import DhtNode, Status, member_list
 from agora_core.dht.claims import Claims
 from agora_core.dht.membership import Member
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import poll_until
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import poll_until
 
 HUGE = 1 << 62
 

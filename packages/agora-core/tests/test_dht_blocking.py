@@ -8,7 +8,7 @@ import time
 from agora_core.config.run import DhtConfig
 from agora_core.dht import BlockingDht, owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.testing import wait_until
+from agora_devkit.processes import wait_until
 
 CONFIG = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0, op_timeout_s=2.0)
 

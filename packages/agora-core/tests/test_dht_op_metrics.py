@@ -10,7 +10,7 @@ import pytest
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
 
 CONFIG = DhtConfig(gossip_period_s=0.3, probe_timeout_s=0.2, suspicion_timeout_s=5.0, op_timeout_s=2.0)
 

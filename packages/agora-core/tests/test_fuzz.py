@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from agora_core.errors import LimitExceeded, UnsupportedProtocolVersion, WireError
 from agora_core.rpc import RpcClient
-from agora_core.testing import spawn_python, wait_until
 from agora_core.wire import (
     Kind,
     Message,
@@ -34,6 +33,7 @@ from agora_core.wire import (
     peek_request_id,
     unpack_header,
 )
+from agora_devkit.processes import spawn_python, wait_until
 
 MAX_MESSAGE_BYTES = 1 << 20  # the fuzzed node's limit: 1 MiB per message
 LIMITS = WireLimits(max_message_bytes=MAX_MESSAGE_BYTES)  # all the node's limits

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from agora_core.auth.peers import PeerVerifier
-from agora_core.auth.testing import TestAuthority
 from agora_core.config import OperatorConfig
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode, DhtValue
@@ -35,7 +34,8 @@ from agora_core.injection.publish import clear, list_injections, new_injection, 
 from agora_core.injection.record import NodeTraits, record_subkey, selected_by_fraction
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
-from agora_core.testing import wait_until_async
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import wait_until_async
 
 RUN = "inject-test"
 

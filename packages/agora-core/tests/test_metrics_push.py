@@ -15,8 +15,8 @@ from agora_core.config import NodeSettings
 from agora_core.errors import ConfigError
 from agora_core.metrics import NodeMetrics
 from agora_core.metrics_push import MetricsPusher
-from agora_core.testing import wait_until
-from agora_core.testing_prometheus import pushgateway_process
+from agora_devkit.processes import wait_until
+from agora_devkit.prometheus import pushgateway_process
 
 INTERVAL_S = 0.05
 WAIT_S = 10.0

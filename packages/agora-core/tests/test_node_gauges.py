@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from agora_core.auth.testing import TestAuthority
 from agora_core.config import RunConfig
 from agora_core.host import host_rss_bytes
 from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
+from agora_devkit.authority import TestAuthority
 
 EXPIRY = "agora_credential_expiry_timestamp_seconds"
 REMAINING = "agora_credential_remaining_seconds"

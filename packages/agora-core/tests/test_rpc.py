@@ -22,8 +22,8 @@ from agora_core.errors import (
 )
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
-from agora_core.testing import wait_until_async as wait_until
 from agora_core.wire import PROTOCOL_VERSION
+from agora_devkit.processes import wait_until_async as wait_until
 
 
 def raw_dealer(address: str) -> zmq.Socket:

@@ -18,7 +18,6 @@ import pytest
 from agora_core.admission.credential import SignedCredential
 from agora_core.admission.revocations import Revocations, revocations_key
 from agora_core.auth.access import only
-from agora_core.auth.testing import TestAuthority
 from agora_core.contract import Method
 from agora_core.dht import member_list, owned_subkey
 from agora_core.errors import Forbidden, PeerRefused, RpcError, Unauthenticated
@@ -26,7 +25,8 @@ from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcServer
 from agora_core.run_node import RunNode
-from agora_core.testing import poll_until
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import poll_until
 
 
 @contextlib.asynccontextmanager

@@ -12,10 +12,10 @@ from aiohttp.test_utils import TestServer
 from agora_core.config import load_run_config
 from agora_core.contract import DepartureReason
 from agora_core.schema import WorkerDeparture
+from agora_devkit.monitor import node_id, snapshot, trainer, worker
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import node_id, snapshot, trainer, worker
 from agora_monitor.web import make_app
 
 T0 = 1_700_000_000.0  # 2023: the monitor_stale rule compares it with this clock

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from agora_core.config import load_run_config
+from agora_devkit.monitor import node_id, snapshot, trainer, worker
 from agora_monitor import queries
 from agora_monitor.alerts import current_alerts
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import node_id, snapshot, trainer, worker
 
 T0 = 1_800_000_000.0
 TARGET = 16  # examples/tiny.toml's target_batch_size

@@ -7,11 +7,11 @@ import pytest
 
 from agora_core.config import load_run_config
 from agora_core.errors import ConfigError
+from agora_devkit.monitor import snapshot, trainer
 from agora_monitor.alerts import current_alerts
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import snapshot, trainer
 
 T0 = 1_800_000_000.0
 PERIOD_S = 5.0

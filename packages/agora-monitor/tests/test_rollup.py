@@ -8,11 +8,11 @@ import pytest
 from sqlalchemy import select
 
 from agora_core.config import load_run_config
+from agora_devkit.monitor import snapshot, trainer, worker
 from agora_monitor import queries, schema
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import snapshot, trainer, worker
 
 T0 = 1_800_000_000.0  # a whole minute: the buckets below start at T0
 STEP_S = 20.0

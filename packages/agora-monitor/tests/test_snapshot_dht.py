@@ -18,7 +18,8 @@ from agora_core.metrics import NodeMetrics
 from agora_core.metrics_exposure import MetricsExposure
 from agora_core.run_node import RunNode
 from agora_core.schema import StageProgress, stage_progress_key, stage_workers_key, trainer_progress_key
-from agora_core.testing import wait_until_async
+from agora_devkit.monitor import trainer, worker
+from agora_devkit.processes import wait_until_async
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Ingest
 from agora_monitor.ledger import Ledger
@@ -26,7 +27,6 @@ from agora_monitor.service import Monitor
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.snapshot import read_snapshot
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import trainer, worker
 
 
 @pytest.fixture

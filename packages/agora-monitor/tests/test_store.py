@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from agora_core.config import load_run_config
+from agora_devkit.monitor import snapshot, trainer, worker
 from agora_monitor import queries
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
 from agora_monitor.store import MonitorStore
-from agora_monitor.testing import snapshot, trainer, worker
 
 T0 = 1_800_000_000.0
 

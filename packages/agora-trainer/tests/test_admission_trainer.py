@@ -15,13 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from agora_authorizer.testing import (
-    OPEN_FLOORS,
-    AuthorizerProcess,
-    RunObserver,
-    authorizer_process,
-    write_run,
-)
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings, parse_run_config
 from agora_core.contract import Phase
@@ -30,7 +23,14 @@ from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
-from agora_core.testing import ChildProcess, spawn_python, wait_until_async
+from agora_devkit.authorizer import (
+    OPEN_FLOORS,
+    AuthorizerProcess,
+    RunObserver,
+    authorizer_process,
+    write_run,
+)
+from agora_devkit.processes import ChildProcess, spawn_python, wait_until_async
 from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings

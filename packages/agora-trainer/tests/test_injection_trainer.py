@@ -3,7 +3,7 @@ points, a NaN it is told to send is refused by the worker and costs one sample, 
 a trainer whose own link dropped resumes as soon as the link is back, not when its bans lapse.
 
 The two stages are plain RPC servers on 127.0.0.1 that answer like a head and a tail (and
-refuse a non-finite gradient, as a worker's input check does: ``agora_trainer.testing``), so
+refuse a non-finite gradient, as a worker's input check does: ``agora_devkit.trainer``), so
 no torch is imported here.
 """
 
@@ -20,9 +20,9 @@ from agora_core.config.run import DhtConfig, ModelConfig, TransportConfig
 from agora_core.identity import NodeKey
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
+from agora_devkit.trainer import StandInSwarm
 from agora_trainer.sharding import make_shards
-from agora_trainer.testing import StandInSwarm
 from agora_trainer.tokenizer import ByteTokenizer
 
 OPERATOR = NodeKey.generate()

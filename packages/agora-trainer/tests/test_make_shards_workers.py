@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 
 RUNS = 20
 RUN_DEADLINE_S = 60  # one run shards well under a MB: a second or two on a loaded machine

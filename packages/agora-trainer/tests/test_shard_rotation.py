@@ -2,7 +2,7 @@
 trainers that swap, hand over and adopt shards on a real DHT without a sample read twice or
 skipped in an epoch.
 
-The trainers' stages are stand-ins on real RPC servers (``agora_trainer.testing``): the test
+The trainers' stages are stand-ins on real RPC servers (``agora_devkit.trainer``): the test
 is about which samples a trainer reads, not what they compute.
 """
 
@@ -18,7 +18,8 @@ import pytest
 from agora_core.config import OperatorConfig, RunConfig
 from agora_core.config.run import DhtConfig, ModelConfig
 from agora_core.identity import NodeKey
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
+from agora_devkit.trainer import StandInSwarm
 from agora_trainer.cursor import SampleCursor
 from agora_trainer.errors import ShardError
 from agora_trainer.rotation_record import (
@@ -30,7 +31,6 @@ from agora_trainer.rotation_record import (
 )
 from agora_trainer.sharding import make_shards
 from agora_trainer.shards import open_shards
-from agora_trainer.testing import StandInSwarm
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer
 

@@ -24,7 +24,7 @@ from agora_core.config import load_run_config
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, poll_until, spawn_python, wait_until_async
+from agora_devkit.processes import ChildProcess, poll_until, spawn_python, wait_until_async
 from agora_trainer.cursor import reading_order
 from agora_trainer.sharding import make_shards
 from agora_trainer.shards import open_shards

@@ -17,18 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agora_authorizer.testing import (
+from agora_core.config import parse_run_config
+from agora_core.contract import DepartureReason
+from agora_core.identity import NodeKey
+from agora_core.schema import WorkerDeparture, parse_entries, stage_departures_key, stage_workers_key
+from agora_devkit.authorizer import (
     OPEN_FLOORS,
     AuthorizerProcess,
     RunObserver,
     authorizer_process,
     write_run,
 )
-from agora_core.config import parse_run_config
-from agora_core.contract import DepartureReason
-from agora_core.identity import NodeKey
-from agora_core.schema import WorkerDeparture, parse_entries, stage_departures_key, stage_workers_key
-from agora_core.testing import ChildProcess, spawn_python, wait_until
+from agora_devkit.processes import ChildProcess, spawn_python, wait_until
 from agora_worker.termination import EXIT_CODES
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from agora_core.config import load_run_config
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
-from agora_core.testing import ChildProcess, poll_until, spawn_python
+from agora_devkit.processes import ChildProcess, poll_until, spawn_python
 from agora_worker.averaging.segments import SegmentLayout
 
 pytestmark = pytest.mark.slow

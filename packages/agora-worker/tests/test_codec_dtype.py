@@ -16,12 +16,12 @@ from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.run import DhtConfig, ModelConfig, TransportConfig
 from agora_core.dtypes import TaggedArray
 from agora_core.errors import ConfigError
+from agora_devkit.worker import train_one_pass
 from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage
 from agora_worker.optimizer import HostOptimizer
 from agora_worker.settings import WorkerSettings
 from agora_worker.tensors import activations, split_samples
-from agora_worker.testing import train_one_pass
 
 DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)
 MODEL = ModelConfig(

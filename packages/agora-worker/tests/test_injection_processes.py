@@ -19,7 +19,7 @@ from agora_core.contract import Method
 from agora_core.identity import NodeKey
 from agora_core.injection import INJECTED_EXIT_CODE, Targets
 from agora_core.injection.publish import new_injection, publish
-from agora_core.testing import poll_until, spawn_python, wait_until_async
+from agora_devkit.processes import poll_until, spawn_python, wait_until_async
 from agora_worker.averaging.allreduce import slice_bounds
 from agora_worker.averaging.reducer import chunk_bounds
 from agora_worker.settings import WorkerSettings

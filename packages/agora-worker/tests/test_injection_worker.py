@@ -19,7 +19,7 @@ from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 

@@ -18,7 +18,7 @@ from agora_core.contract import Method, Phase
 from agora_core.errors import BadRequest, NotServing
 from agora_core.linkemu import LinkConfig
 from agora_core.rpc import Payload, RpcClient, RpcServer
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
 from agora_worker.joining import PhaseTracker, StateDownloadFailed, download_state
 from agora_worker.joining.donor import manifest_payload
 from agora_worker.settings import WorkerSettings

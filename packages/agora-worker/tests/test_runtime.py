@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from agora_core.testing import wait_until_async
+from agora_devkit.processes import wait_until_async
 from agora_worker.runtime import Op, Runtime
 
 

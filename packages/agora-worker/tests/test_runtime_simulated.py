@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agora_core import world
-from agora_core.sim import Simulation
+from agora_sim import Simulation
 from agora_worker.runtime import Op, Runtime
 
 PER_BATCH_S = 0.010

@@ -29,8 +29,8 @@ from agora_core.schema import (
     stage_departures_key,
     stage_workers_key,
 )
-from agora_core.testing import ChildProcess, spawn_python
-from agora_core.testing_prometheus import pushgateway_process
+from agora_devkit.processes import ChildProcess, spawn_python
+from agora_devkit.prometheus import pushgateway_process
 from agora_worker.averaging.matchmaking import Peer
 from agora_worker.termination import EXIT_CODES
 

@@ -16,10 +16,10 @@ from agora_core.config import RunConfig, SurrogateConfig
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.errors import BadRequest, StageMismatch
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
-from agora_core.testing import spawn_python, wait_until_async
+from agora_devkit.processes import spawn_python, wait_until_async
+from agora_devkit.worker import train_one_pass
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings
-from agora_worker.testing import train_one_pass
 from agora_worker.worker import Worker
 
 DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)

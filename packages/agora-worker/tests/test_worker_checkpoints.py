@@ -20,7 +20,7 @@ from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
-from agora_core.testing import spawn_python, wait_until, wait_until_async
+from agora_devkit.processes import spawn_python, wait_until, wait_until_async
 from agora_worker.checkpoint import CheckpointStore, find_manifests
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings

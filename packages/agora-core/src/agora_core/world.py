@@ -3,7 +3,7 @@
 Agora's code reads the time through ``world.monotonic()`` / ``world.wall()``, makes its random
 generators with ``world.rng()`` and opens its sockets through ``world.network()``. By default
 these are the real ones (``time.monotonic``, ``time.time``, an unseeded ``random.Random``,
-ZeroMQ). The deterministic simulator (:mod:`agora_core.sim`) installs virtual ones for the span
+ZeroMQ). The deterministic simulator (:mod:`agora_sim`) installs virtual ones for the span
 of a simulation, so the same DHT, RPC and worker code runs in virtual time on an in-memory
 network; nothing else in the packages knows which world it runs in.
 

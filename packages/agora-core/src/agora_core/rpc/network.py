@@ -2,7 +2,7 @@
 
 :class:`RpcServer` and the client's connections never touch a socket themselves; they open an
 endpoint on the world's network (:func:`agora_core.world.network`): ZeroMQ over TCP here, or
-the simulator's in-memory network (:mod:`agora_core.sim.network`). An endpoint sends and
+the simulator's in-memory network (:mod:`agora_sim.network`). An endpoint sends and
 receives multipart messages whose first frame is the routing id of a connection; a client
 endpoint also dials addresses and reports what becomes of each connection through
 ``on_event(kind, address, detail)``, ``kind`` one of :data:`UP`, :data:`LOST`, :data:`REFUSED`,

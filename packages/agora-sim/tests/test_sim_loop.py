@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from agora_core.sim.loop import VirtualClock, VirtualLoop
+from agora_sim.loop import VirtualClock, VirtualLoop
 
 
 def test_timers_run_by_due_time_ties_in_the_order_made_and_cancelled_ones_never():

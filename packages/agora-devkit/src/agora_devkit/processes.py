@@ -1,4 +1,4 @@
-"""Helpers for Agora's own tests and tools: waiting on conditions, managing child processes.
+"""Child processes and waiting with deadlines, for Agora's tests and benchmarks.
 
 Tests never sleep for a fixed time: they wait for a condition with a deadline. Every process
 a test starts is stopped when the ``with`` block ends, whatever happened inside it.

@@ -23,7 +23,7 @@ from agora_trainer.trainer import Trainer, TrainerSettings
 if TYPE_CHECKING:
     from collections import Counter
 
-    from sim_swarm import _Swarm
+    from agora_sim.swarm import _Swarm
 
 
 class SwarmTrainers:

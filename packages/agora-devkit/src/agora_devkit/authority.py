@@ -22,7 +22,7 @@ from agora_core.auth.security import TransportSecurity
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.identity import NodeKey
-from agora_core.testing import spawn_python
+from agora_devkit.processes import spawn_python
 
 SMALL_MODEL = '[model]\nkind = "surrogate"\nd_model = 64\nn_heads = 4\nstage_layers = [1, 1]\n'
 

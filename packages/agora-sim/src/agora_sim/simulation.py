@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 from agora_core import world
 from agora_core.identity import NodeKey
-from agora_core.sim.hosts import current_host, track_tasks
-from agora_core.sim.loop import VirtualClock, VirtualLoop
-from agora_core.sim.network import SimNetwork
-from agora_core.sim.trace import Trace
+from agora_sim.hosts import current_host, track_tasks
+from agora_sim.loop import VirtualClock, VirtualLoop
+from agora_sim.network import SimNetwork
+from agora_sim.trace import Trace
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ network heals, the trainers stop (their lanes finish what they hold), and then:
 
 * no sample is lost (every sample a trainer took is completed or waiting to run again) and
   none completed twice by a trainer; a crashed trainer's restart skips none of the samples it
-  held (``sim_swarm_trainers``);
+  held (``swarm_trainers``);
 * the live replicas of each stage, idle now, run one more averaging round; it is clean (no
   fault is left), and after it they hold the same values in the segment it averaged;
 * nothing grows without bound: no worker has work queued or a reduction open, no DHT member
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from agora_core.sim.scenario import Faults, ScenarioError
+from agora_sim.scenario import Faults, ScenarioError
 
 if TYPE_CHECKING:
-    from sim_swarm import _Swarm
+    from agora_sim.swarm import _Swarm
 
 DRAIN_LIMIT_S = 600.0  # virtual seconds the trainers get to finish the samples they hold
 ROUND_LIMIT_S = 600.0  # and the replicas to finish the last averaging round
@@ -132,7 +132,7 @@ class Disturbances:
         self.swarm.sim.network.kill(self.swarm.hosts[index])
 
     def _trainer_crash(self) -> None:
-        """A trainer's process dies; it restarts on its state file (``sim_swarm_trainers``)."""
+        """A trainer's process dies; it restarts on its state file (``swarm_trainers``)."""
         trainers = self.swarm.trainer_set
         up = [i for i in range(len(trainers.nodes)) if i not in trainers.down]
         if up:

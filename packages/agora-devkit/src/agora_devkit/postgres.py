@@ -31,7 +31,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from agora_core.testing import wait_until
+from agora_devkit.processes import wait_until
 
 DEBIAN_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 START_TIMEOUT_S = 60.0  # initdb and the first start are slow on a loaded machine

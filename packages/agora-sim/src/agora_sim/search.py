@@ -3,7 +3,7 @@
 A seed decides everything: the swarm's size, its links (bandwidth, latency, jitter, TCP loss),
 churn, partitions, silent hosts, clock skew within the run's limit, the load, and then (as the
 scenario's own seed) every choice the simulation makes. A failing seed therefore replays
-exactly: ``python tools/simulate.py search --replay SEED``.
+exactly: ``agora-sim search --replay SEED``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import random
 from dataclasses import dataclass
 
 from agora_core.config.run import DhtConfig
-from agora_core.sim.dht_run import DhtRunResult, run_dht_scenario
-from agora_core.sim.dht_swarm import LinkRange
-from agora_core.sim.scenario import Churn, Faults, Scenario
+from agora_sim.dht_run import DhtRunResult, run_dht_scenario
+from agora_sim.dht_swarm import LinkRange
+from agora_sim.scenario import Churn, Faults, Scenario
 
 
 def random_links(
@@ -76,7 +76,7 @@ class SearchOutcome:
             f"{summary['silences']} silences; {summary['ops']} ops, {summary['missed_reads']} missed while faulty"
         )
         if self.failed:
-            text += f"\n  FAILED: {'; '.join(self.result.violations)}\n  replay: python tools/simulate.py search --replay {self.seed}"
+            text += f"\n  FAILED: {'; '.join(self.result.violations)}\n  replay: agora-sim search --replay {self.seed}"
         return text
 
 

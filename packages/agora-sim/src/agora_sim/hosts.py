@@ -15,10 +15,10 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from agora_core.sim.links import LinkModel, LinkState
+from agora_sim.links import LinkModel, LinkState
 
 if TYPE_CHECKING:
-    from agora_core.sim.network import SimEndpoint
+    from agora_sim.network import SimEndpoint
 
 _current: contextvars.ContextVar[SimHost | None] = contextvars.ContextVar("agora_sim_host", default=None)
 

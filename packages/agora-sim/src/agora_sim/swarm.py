@@ -18,15 +18,15 @@ The scenario's ``[swarm]`` table (next to ``[run]`` and ``[links]`` of a DHT sce
     averaged_parameters = 0   # untrained parameters per stage that averaging moves too (payload)
     worker_departures_per_min = 0.0  # workers whose process dies (each stage keeps one)
     worker_joins_per_min = 0.0       # new workers, each downloading its stage's state
-    trainer_crashes_per_min = 0.0    # trainers whose process dies (sim_swarm_trainers) ...
+    trainer_crashes_per_min = 0.0    # trainers whose process dies (swarm_trainers) ...
     trainer_restart_s = 10.0         # ... and restarts this long after on its own state file
     dht_members = 0           # DHT members that host no stage (the run's other nodes: monitors...)
     start_batch = 1           # workers (members, trainers) started together; 1: one after another
     settle_gossip_s = 0.0     # up to this long after start-up for the joins' news to stop
                               # circulating before the measured stretch (training goes on)
-    authorized = false        # the run's authorizer admits every node (sim_swarm_auth)
+    authorized = false        # the run's authorizer admits every node (swarm_auth)
 
-and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``sim_swarm_faults``).
+and ``[faults]`` (partitions, silent hosts, clock skew, slowed workers: ``swarm_faults``).
 
 Every node is the packages' own: ``agora_worker.Worker`` (queues, coalescing, optimizer,
 averaging, progress, announcements) on a surrogate stage whose compute time is waited out in
@@ -49,19 +49,19 @@ import torch
 
 from agora_core.config import load_run_config
 from agora_core.dht import DhtNode
-from agora_core.sim import Simulation
-from agora_core.sim.dht_swarm import LinkRange
-from agora_core.sim.scenario import ScenarioError
+from agora_sim import Simulation
+from agora_sim.dht_swarm import LinkRange
+from agora_sim.scenario import ScenarioError
+from agora_sim.swarm_auth import SwarmAuthority
+from agora_sim.swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
+from agora_sim.swarm_nodes import OpenNodes
+from agora_sim.swarm_summary import swarm_summary
+from agora_sim.swarm_trainers import SwarmTrainers
 from agora_trainer.sharding import make_shards
 from agora_trainer.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
-from sim_swarm_auth import SwarmAuthority
-from sim_swarm_faults import Disturbances, SwarmFaults, check_settled, completed_twice
-from sim_swarm_nodes import OpenNodes
-from sim_swarm_summary import swarm_summary
-from sim_swarm_trainers import SwarmTrainers
 
 SEQ_LEN = 128
 
@@ -275,7 +275,7 @@ def run_swarm_scenario(
     progress: Callable[[str], None] | None = None,
 ) -> SwarmResult:
     """Run ``scenario``; with ``check``, settle it afterwards and check what must hold
-    (``sim_swarm_faults.check_settled``): the violations are in the summary. ``progress``
+    (``swarm_faults.check_settled``): the violations are in the summary. ``progress``
     hears each start-up phase as it ends (a thousand workers take minutes to come up)."""
     torch.manual_seed(scenario.seed)  # the surrogates' untrained parameters: part of the replay
     real_started = time.perf_counter()

@@ -6,7 +6,7 @@ get latency (p50/p99) as a member sees it, reads that missed a value stored befo
 member count over time, how long the views took to agree again after the churn stopped, and
 how fast the simulation ran (virtual seconds per real second). Faults (partitions, silent
 hosts, clock skew) come from the scenario's ``[faults]``; what must hold at the end is
-:mod:`agora_core.sim.invariants`'s.
+:mod:`agora_sim.invariants`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 
 from agora_core import world
 from agora_core.dht import DhtNode
-from agora_core.sim.dht_swarm import SimDhtSwarm
-from agora_core.sim.scenario import Scenario
-from agora_core.sim.simulation import Simulation
+from agora_sim.dht_swarm import SimDhtSwarm
+from agora_sim.scenario import Scenario
+from agora_sim.simulation import Simulation
 
 SETTLE_LIMIT_S = 120.0  # virtual seconds the views get to agree again after the churn
 

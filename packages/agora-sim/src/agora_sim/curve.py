@@ -10,7 +10,7 @@ callers exactly as over ZeroMQ. Nothing is encrypted: the bytes never leave the 
 from __future__ import annotations
 
 from agora_core.rpc.network import BROKEN_HANDSHAKE, KEY_REFUSED, WRONG_KEY
-from agora_core.sim.frames import CallerFrame
+from agora_sim.frames import CallerFrame
 
 SECURE_HANDSHAKE_ROUND_TRIPS = 2  # a CURVE handshake's, after the TCP connection's own
 

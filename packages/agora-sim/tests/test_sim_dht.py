@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -13,15 +14,15 @@ from agora_core.contract import Method
 from agora_core.dht import DhtNode
 from agora_core.errors import PeerUnreachable, RpcError
 from agora_core.rpc import RpcClient
-from agora_core.sim import Simulation
-from agora_core.sim.dht_swarm import LinkRange, SimDhtSwarm
+from agora_sim import Simulation
+from agora_sim.dht_swarm import LinkRange, SimDhtSwarm
 
 REPO = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
 import sys
-from agora_core.sim import Simulation
-from agora_core.sim.dht_swarm import SimDhtSwarm
+from agora_sim import Simulation
+from agora_sim.dht_swarm import SimDhtSwarm
 with Simulation(seed=int(sys.argv[1])) as sim:
     swarm = SimDhtSwarm(sim)
     swarm.add(24)
@@ -167,6 +168,8 @@ def test_members_started_together_probe_at_phases_spread_over_the_period():
         swarm.stop()
     assert len(phases) == 16
     ordered = sorted(phases.values())
-    gaps = [b - a for a, b in zip(ordered, ordered[1:])] + [ordered[0] + config.gossip_period_s - ordered[-1]]
+    gaps = [b - a for a, b in itertools.pairwise(ordered)] + [
+        ordered[0] + config.gossip_period_s - ordered[-1]
+    ]
     # one burst leaves most of the period empty; 16 random phases leave no gap near half of it
     assert max(gaps) < 0.5 * config.gossip_period_s, ordered

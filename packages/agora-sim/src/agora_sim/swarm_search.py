@@ -3,9 +3,9 @@
 A seed decides the swarm (stages, replicas, trainers, lanes, compute speeds, batch size,
 averaging cadence and payload), its links, worker churn, trainer crashes and restarts,
 partitions, silent hosts, clock skew within the run's limit and slowed workers, and for 3 in
-10 an authorized run (``sim_swarm_auth``); then, as the scenario's own seed, every choice the
-simulation makes. What is checked is ``sim_swarm_faults.check_settled``'s list. A failing
-seed replays exactly: ``python tools/simulate.py search --swarm --replay SEED``.
+10 an authorized run (``swarm_auth``); then, as the scenario's own seed, every choice the
+simulation makes. What is checked is ``swarm_faults.check_settled``'s list. A failing
+seed replays exactly: ``agora-sim search --swarm --replay SEED``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from agora_core.config.admission import AdmissionConfig
 from agora_core.config.run import DhtConfig
-from agora_core.sim.search import random_links
-from sim_swarm import SwarmResult, SwarmScenario, run_swarm_scenario
-from sim_swarm_faults import SwarmFaults
+from agora_sim.search import random_links
+from agora_sim.swarm import SwarmResult, SwarmScenario, run_swarm_scenario
+from agora_sim.swarm_faults import SwarmFaults
 
 
 def random_swarm_scenario(seed: int) -> SwarmScenario:
@@ -61,7 +61,7 @@ def random_swarm_scenario(seed: int) -> SwarmScenario:
         trainer_crashes_per_min=rng.choice([0.0, 0.0, 1.0, 3.0]),
         trainer_restart_s=rng.uniform(1.0, 45.0),
     )
-    if rng.random() < 0.3:  # an authorized run (sim_swarm_auth): its clocks within its own limit
+    if rng.random() < 0.3:  # an authorized run (swarm_auth): its clocks within its own limit
         skew = min(scenario.faults.max_clock_skew_s, AdmissionConfig().max_clock_skew_s / 2)
         faults = dataclasses.replace(scenario.faults, max_clock_skew_s=skew)
         scenario = dataclasses.replace(scenario, authorized=True, faults=faults)
@@ -98,7 +98,7 @@ class SwarmSearchOutcome:
         if self.failed:
             text += (
                 f"\n  FAILED: {'; '.join(self.violations)}"
-                f"\n  replay: python tools/simulate.py search --swarm --replay {self.seed}"
+                f"\n  replay: agora-sim search --swarm --replay {self.seed}"
             )
         return text
 

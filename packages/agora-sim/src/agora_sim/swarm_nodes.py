@@ -1,8 +1,8 @@
 """How a simulated swarm's nodes are built and started: an open run's, as the packages' own
 constructors build them.
 
-An authorized run's builder (``sim_swarm_auth.SwarmAuthority``) has the same methods, so
-``sim_swarm`` builds and starts every node one way, whichever kind of run it simulates.
+An authorized run's builder (``swarm_auth.SwarmAuthority``) has the same methods, so
+``swarm`` builds and starts every node one way, whichever kind of run it simulates.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 
 if TYPE_CHECKING:
-    from sim_swarm import _Swarm
+    from agora_sim.swarm import _Swarm
 
 
 class OpenNodes:

@@ -31,7 +31,7 @@
     max_clock_skew_s = 0.0   # each host's wall clock off by up to this (the run allows 30 s)
 
 What it covers: the DHT (membership, storage, one-hop reads) under links, churn and faults.
-Workers and trainers need their packages: ``tools/sim_swarm.py`` runs a ``[swarm]`` table.
+Workers and trainers need their packages: ``agora_sim/swarm.py`` runs a ``[swarm]`` table.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from agora_core.config.run import DhtConfig
-from agora_core.sim.dht_swarm import LinkRange
+from agora_sim.dht_swarm import LinkRange
 
 _NOT_YET = ("stages", "workers", "trainers", "averaging")
 
@@ -115,8 +115,8 @@ def parse_scenario(data: dict) -> Scenario:
     for name in _NOT_YET:
         if name in data:
             raise ScenarioError(
-                f"[{name}]: agora_core.sim runs DHT scenarios; workers and trainers go in a [swarm] table, "
-                "which tools/simulate.py runs (it needs the worker and trainer packages)"
+                f"[{name}]: a DHT scenario has no workers or trainers; they go in a [swarm] table "
+                "(agora_sim.swarm)"
             )
     unknown = set(data) - {"run", "dht", "links", "churn", "ops", "faults"}
     if unknown:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from agora_core import world
-from agora_core.sim.dht_swarm import SimDhtSwarm
+from agora_sim.dht_swarm import SimDhtSwarm
 
 
 def check_records(swarm: SimDhtSwarm, stored: list[str], rng: random.Random) -> list[str]:

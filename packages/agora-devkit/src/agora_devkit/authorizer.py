@@ -25,7 +25,6 @@ from agora_core.admission.credential import SignedCredential
 from agora_core.admission.credential_file import load_credential
 from agora_core.admission.join_client import Admission, JoinStatus
 from agora_core.admission.keeper import CredentialKeeper
-from agora_core.auth.testing import TestAuthority
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.dht import BlockingDht
@@ -33,7 +32,8 @@ from agora_core.identity import NodeKey
 from agora_core.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcServer
 from agora_core.run_node import RunNode, transport_security
-from agora_core.testing import ChildProcess, spawn_python
+from agora_devkit.authority import TestAuthority
+from agora_devkit.processes import ChildProcess, spawn_python
 
 # [admission] floors any test machine passes, and no rate limit (tests of other roles put
 # these lines in their own run configs)

@@ -6,8 +6,8 @@ messages sent before it is up wait for it; a connection delivers in order and lo
 when a server closes or its host dies, its clients hear that the connection was lost one
 one-way latency later. A host fallen silent or cut off by a partition sends and receives
 nothing and nobody hears of it: calls to it time out, as across a real internet. Every message
-pays its hosts' link delays (:mod:`agora_core.sim.links`) and is folded into the trace. An
-authorized run's connections add CURVE's handshake and its refusals (:mod:`agora_core.sim.curve`).
+pays its hosts' link delays (:mod:`agora_sim.links`) and is folded into the trace. An
+authorized run's connections add CURVE's handshake and its refusals (:mod:`agora_sim.curve`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from agora_core.auth.curve import curve_public_key
 from agora_core.rpc.network import LOST, REFUSED, REJECTED, UP, OnEvent, OnFrames
 from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import RpcConfig
-from agora_core.sim.curve import SECURE_HANDSHAKE_ROUND_TRIPS, caller_frame, handshake
-from agora_core.sim.frames import SimFrame
-from agora_core.sim.hosts import SimHost, current_host
-from agora_core.sim.links import LinkModel, StreamWindow, crossing_s, one_way_s, path_window
-from agora_core.sim.trace import Trace
+from agora_sim.curve import SECURE_HANDSHAKE_ROUND_TRIPS, caller_frame, handshake
+from agora_sim.frames import SimFrame
+from agora_sim.hosts import SimHost, current_host
+from agora_sim.links import LinkModel, StreamWindow, crossing_s, one_way_s, path_window
+from agora_sim.trace import Trace
 
 
 class _Connection:

@@ -10,7 +10,7 @@ import pytest
 from agora_core import world
 from agora_core.errors import DeadlineExceeded, PeerUnreachable
 from agora_core.rpc import Payload, RpcClient, RpcServer
-from agora_core.sim import LinkModel, Simulation, SimulationStalled
+from agora_sim import LinkModel, Simulation, SimulationStalled
 
 
 def echo_pair(sim: Simulation, server_link: LinkModel, client_link: LinkModel):
@@ -115,7 +115,7 @@ def test_a_tcp_window_caps_a_bulk_transfer_on_a_long_path_and_costs_a_small_mess
 def test_a_window_must_be_positive():
     import random
 
-    from agora_core.sim.dht_swarm import LinkRange
+    from agora_sim.dht_swarm import LinkRange
 
     with pytest.raises(ValueError, match="window_bytes"):
         LinkModel(window_bytes=0)
@@ -222,7 +222,7 @@ def secured_client(authority, host, credential: bool = True, **credential_fields
 
 
 def test_an_authorized_call_pays_the_curve_handshake_and_names_the_authenticated_caller():
-    from agora_core.auth.testing import TestAuthority
+    from agora_devkit.authority import TestAuthority
 
     authority = TestAuthority()
     with Simulation(seed=1) as sim:
@@ -244,9 +244,9 @@ def test_an_authorized_call_pays_the_curve_handshake_and_names_the_authenticated
 
 def test_an_authorized_server_refuses_the_wrong_key_an_open_client_and_a_caller_it_does_not_serve():
     from agora_core.auth.access import only
-    from agora_core.auth.testing import TestAuthority
     from agora_core.errors import Forbidden, PeerRefused
     from agora_core.identity import NodeKey
+    from agora_devkit.authority import TestAuthority
 
     authority = TestAuthority()
     with Simulation(seed=1) as sim:

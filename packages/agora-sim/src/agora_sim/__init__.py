@@ -8,19 +8,19 @@
         sim.run_for(60.0)  # a virtual minute, in a fraction of a real second
 
 Inside, :mod:`agora_core.world` reads the virtual clock, draws randomness from the seed and
-opens endpoints on :class:`~agora_core.sim.network.SimNetwork`. The same scenario and seed
+opens endpoints on :class:`~agora_sim.network.SimNetwork`. The same scenario and seed
 give the same :attr:`Simulation.trace` digest; run the process with a fixed
 ``PYTHONHASHSEED`` for it to hold across processes (set iteration order follows it).
 """
 
 from __future__ import annotations
 
-from agora_core.sim.hosts import SimHost, current_host
-from agora_core.sim.links import LinkModel
-from agora_core.sim.loop import SimulationStalled, VirtualClock, VirtualLoop
-from agora_core.sim.network import SimNetwork
-from agora_core.sim.simulation import Simulation
-from agora_core.sim.trace import Trace
+from agora_sim.hosts import SimHost, current_host
+from agora_sim.links import LinkModel
+from agora_sim.loop import SimulationStalled, VirtualClock, VirtualLoop
+from agora_sim.network import SimNetwork
+from agora_sim.simulation import Simulation
+from agora_sim.trace import Trace
 
 __all__ = [
     "LinkModel",

@@ -12,7 +12,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim_swarm import SwarmScenario, _Swarm
+    from agora_sim.swarm import SwarmScenario, _Swarm
 
 
 def swarm_summary(

@@ -9,7 +9,7 @@ credential`` signs them. Each worker is pinned to the scenario's stage (``agora-
 pin``), binds its port, answers the dial-back (the round trip, the bandwidth probe and the
 compute challenge cross the simulated links), waits in the queue, and takes its credential, as
 ``agora-worker run`` does; each trainer joins the same way, and a restarted one joins again.
-Every connection is CURVE (``agora_core.sim.curve``), every method checked against the
+Every connection is CURVE (``agora_sim.curve``), every method checked against the
 caller's credential, every credential refreshed before it expires.
 
 The run relaxes the capability floors (a scenario's links and speeds say what a node has, not
@@ -41,7 +41,7 @@ from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 
 if TYPE_CHECKING:
-    from sim_swarm import _Swarm
+    from agora_sim.swarm import _Swarm
 
 ACCOUNT = "sim"  # the one contributor account every node joins under
 SIM_CREDENTIAL_S = 90.0  # refreshed at 60 s: within a run
@@ -78,7 +78,7 @@ def authorized_run(run: RunConfig, key: NodeKey) -> RunConfig:
 
 class SwarmAuthority:
     """The authorizer of one simulated swarm, and how its nodes are built to be admitted (the
-    methods of ``sim_swarm_nodes.OpenNodes``)."""
+    methods of ``swarm_nodes.OpenNodes``)."""
 
     own_members = 1  # the authorizer
 

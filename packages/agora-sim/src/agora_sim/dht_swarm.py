@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 from agora_core import world
 from agora_core.auth.security import TransportSecurity
-from agora_core.auth.testing import TestAuthority
 from agora_core.config.run import DhtConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
-from agora_core.sim.hosts import SimHost
-from agora_core.sim.links import LinkModel
-from agora_core.sim.simulation import Simulation
+from agora_devkit.authority import TestAuthority
+from agora_sim.hosts import SimHost
+from agora_sim.links import LinkModel
+from agora_sim.simulation import Simulation
 
 MBIT = 1e6
 

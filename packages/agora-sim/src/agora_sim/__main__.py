@@ -1,0 +1,3 @@
+from agora_sim.cli import main
+
+main()

@@ -4,8 +4,8 @@ fixture (those live in agora-sim and agora-devkit, which no role depends on)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -30,8 +30,14 @@ def test_a_worker_installed_alone_holds_no_simulator_and_no_test_module(tmp_path
     python = env_dir / "bin" / "python"
     # --no-deps: what the two distributions themselves ship is the question, not torch (the
     # build backend comes from the package index, as in any pip install of a source tree)
-    install = [str(python), "-m", "pip", "install", "--quiet", "--no-deps"]
-    install += [str(ROOT / "packages" / "agora-core"), str(ROOT / "packages" / "agora-worker")]
+    # Built from copies of the sources: a build writes build/ beside its source, and leftovers
+    # there from an older tree would be shipped too (and the checkout stays as it was).
+    sources = []
+    for name in ("agora-core", "agora-worker"):
+        copy = tmp_path / name
+        shutil.copytree(ROOT / "packages" / name, copy, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+        sources.append(str(copy))
+    install = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", *sources]
     done = subprocess.run(install, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     listed = subprocess.run(

@@ -22,6 +22,7 @@ from agora_core.contract import Method
 from agora_core.errors import AgoraError, ConfigError
 from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
+from agora_core.injection.cli import inject
 from agora_core.linkemu import LinkEmulator
 from agora_core.logs import configure_logging, get_logger
 from agora_core.metrics import NodeMetrics
@@ -41,6 +42,9 @@ from agora_core.run_node import RunNode
 @click.version_option(__version__, prog_name="agora")
 def main() -> None:
     """Agora: decentralized LLM pretraining over unreliable, heterogeneous GPUs."""
+
+
+main.add_command(inject)
 
 
 @main.command()

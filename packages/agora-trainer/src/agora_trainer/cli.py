@@ -24,6 +24,7 @@ from agora_core.node_cli import (
 )
 from agora_core.run_node import RunNode
 from agora_trainer import __version__
+from agora_trainer.rotation_cli import rotate_shards
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 
@@ -31,6 +32,9 @@ from agora_trainer.trainer import Trainer, TrainerSettings
 @click.version_option(__version__, prog_name="agora-trainer")
 def main() -> None:
     """Train an Agora run's model by routing samples through its workers (no GPU needed)."""
+
+
+main.add_command(rotate_shards)
 
 
 def status_line(trainer: Trainer) -> str:

@@ -1,6 +1,6 @@
-"""What every operator tool does first: join a run's DHT as the operator, from flags or a run dir.
+"""What every operator command does first: join a run's DHT as the operator, from flags or a run dir.
 
-``tools/inject.py`` and ``tools/rotate_shards.py`` take the same flags: ``--run-dir`` (a local
+``agora inject`` and ``agora-trainer rotate-shards`` take the same flags: ``--run-dir`` (a local
 swarm's: swarm.json, its run config, keys/operator.key and keys/operator.credential), or
 ``--bootstrap``, ``--config``, ``--key`` and in an authorized run ``--credential``. The tool is
 one more member of the run's DHT for as long as a command takes, then leaves.

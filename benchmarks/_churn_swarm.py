@@ -2,7 +2,7 @@
 
 ``swarm.py up`` owns its processes until the trainers finish; a churn soak must also replace
 workers that died and restart a trainer that crashed, so it starts the same processes with
-the same functions (``tools/swarm_processes.py``: the DHT seed, the authorizer, the health
+the same functions (``agora_localswarm.processes``: the DHT seed, the authorizer, the health
 monitor, workers placed and pinned by the authorizer, trainers) and keeps them itself. Every
 call that writes RUN_DIR/swarm.json holds one lock: replacements run on threads.
 
@@ -18,18 +18,16 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agora_core.admission.credential import SignedCredential
+from agora_core.admission.credential_file import load_credential
+from agora_core.config import RunConfig, load_run_config
+from agora_core.identity import NodeKey
+from agora_localswarm import processes
+from agora_localswarm.authorizer import authorize
+from agora_localswarm.cli import ensure_shards
+from agora_localswarm.operator import credential_file, key_file, prepare_operator
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import swarm_processes as processes  # noqa: E402  (tools/ is not a package)
-from agora_core.admission.credential import SignedCredential  # noqa: E402
-from agora_core.admission.credential_file import load_credential  # noqa: E402
-from agora_core.config import RunConfig, load_run_config  # noqa: E402
-from agora_core.identity import NodeKey  # noqa: E402
-from swarm import default_shards_dir, ensure_shards  # noqa: E402, F401  (churn.py takes default_shards_dir from here)
-from swarm_authorizer import authorize  # noqa: E402
-from swarm_operator import credential_file, key_file, prepare_operator  # noqa: E402
-
 SWARM = str(ROOT / "tools" / "swarm.py")
 UP_STOP_S = 60.0  # `up` stopping its nodes on SIGTERM (trainers, then workers, then the rest)
 DOWN_S = 120.0  # `swarm.py down`

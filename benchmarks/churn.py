@@ -43,7 +43,7 @@ from pathlib import Path
 
 import _harness
 from _churn_logs import abandoned_ids, last_loss, log_lines, read_losses, rounds, sample_figures, sample_order
-from _churn_swarm import ROOT, DrivenSwarm, default_shards_dir, load_run_config
+from _churn_swarm import ROOT, DrivenSwarm, load_run_config
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.contract import Phase
 from agora_core.dht import DhtError
@@ -54,12 +54,13 @@ from agora_core.logs import configure_logging
 from agora_core.metrics import NodeMetrics
 from agora_core.run_node import RunNode
 from agora_core.schema import WorkerAnnouncement, parse_entries, stage_workers_key
+from agora_localswarm.cli import default_shards_dir
 
 TRIGGERS = ("now", "after", "averaging_send", "forward", "backward", "download")
 FATAL = ("exit",)
 JOIN_DHT_S = 60.0  # the operator's node joining the swarm's DHT
 # After the churn: replacements (a start delay, then placement and serving, each with
-# swarm_processes' start-up deadline) and a trainer's restart.
+# agora_localswarm.processes' start-up deadline) and a trainer's restart.
 SETTLE_S = 300.0
 CALM_START_S = 300.0  # the calm trainer's start, before its first sample
 CALM_SAMPLES_PER_S = 1.0  # far below any machine's rate: only a calm run that hangs is slower

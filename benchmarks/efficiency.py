@@ -45,7 +45,7 @@ import _proc
 from _churn_swarm import DrivenSwarm, ensure_shards, run_up  # benchmarks/ is on sys.path as a script
 from _cpu_account import CpuAccount
 from _report import Report
-from swarm_results import centralized_rate  # tools/ is on sys.path once _churn_swarm is imported
+from agora_localswarm.results import centralized_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny.toml"

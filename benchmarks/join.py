@@ -45,12 +45,11 @@ from agora_core.linkemu import LinkConfig
 from agora_core.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
+from agora_localswarm.processes import Member, SwarmFile
+from agora_localswarm.status import light_member
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
-sys.path.insert(0, str(ROOT / "tools"))
-from swarm_processes import Member, SwarmFile  # noqa: E402  (tools/ is not a package)
-from swarm_status import light_member  # noqa: E402
 
 ENV = {"AGORA_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
 TINY = ROOT / "examples" / "tiny.toml"

@@ -49,13 +49,12 @@ import _harness
 from _churn_swarm import stop_up
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
+from agora_localswarm.cli import default_shards_dir
 from agora_trainer.cursor import reading_order
 from agora_trainer.shards import open_shard_set
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")
-sys.path.insert(0, str(ROOT / "tools"))
-from swarm import default_shards_dir  # noqa: E402  (tools/ is not a package)
 
 WINDOW = 64  # samples per loss window
 SETTLE = 512  # samples before the windows are judged: the loss falls steeply at first

@@ -137,6 +137,14 @@ async def ingest_figures(report: Report, args, backends: list[str], postgres_url
             )
             await node.start()
             nodes.append(node)
+        # every member knows every other before anything is written: a writer that still
+        # knows only part of the swarm stores at other replicas than a reader then asks
+        ids = {n.dht.node_id for n in nodes}
+        deadline = time.monotonic() + 30
+        while any({m.node_id for m in n.dht.members()} != ids for n in nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the 4 DHT members did not learn of each other within 30 s")
+            await asyncio.sleep(0.05)
         sim = SimulatedRun(run, nodes, args.workers, args.trainers)
         report.note(
             f"publishing {args.workers} workers' and {args.trainers} trainers' records into 4 DHT members"

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from swarm_driver import Swarm, make_swarm_config, make_swarm_shards
+from agora_devkit.swarm import Swarm, make_swarm_config, make_swarm_shards
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ from agora_worker.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # not a package
 
+from agora_localswarm.results import HELD_OUT_ALARM_RATIO, export_and_evaluate, last_training_loss
 from export_model import (
     WINDOW_INTERVALS,
     checkpoint_manifests,
@@ -43,7 +44,6 @@ from export_model import (
     from_checkpoints,
     stage_candidates,
 )
-from swarm_results import HELD_OUT_ALARM_RATIO, export_and_evaluate, last_training_loss
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

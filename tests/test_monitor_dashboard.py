@@ -28,7 +28,7 @@ import pytest
 from agora_core.config import load_run_config
 from agora_devkit.monitor import headless_chromium
 from agora_devkit.processes import wait_until
-from swarm_driver import make_swarm_config, make_swarm_shards  # tests/ is on sys.path (tests/conftest.py)
+from agora_devkit.swarm import make_swarm_config, make_swarm_shards
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,11 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agora_trainer.held_out import validation_samples
-from agora_trainer.shards import open_shard_set
-from agora_worker.model.export import read_model
-from agora_worker.model.inference import WholeModel, held_out_loss
-from swarm_driver import (  # tests/ is on sys.path (tests/conftest.py)
+from agora_devkit.swarm import (
     LEARNED_NATS,
     MARGIN_S,
     REFERENCE_S,
@@ -27,6 +23,10 @@ from swarm_driver import (  # tests/ is on sys.path (tests/conftest.py)
     first_samples,
     reference_losses,
 )
+from agora_trainer.held_out import validation_samples
+from agora_trainer.shards import open_shard_set
+from agora_worker.model.export import read_model
+from agora_worker.model.inference import WholeModel, held_out_loss
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agora_worker.checkpoint import CheckpointStore, find_manifests
-from swarm_driver import (  # tests/ is on sys.path (tests/conftest.py)
+from agora_devkit.swarm import (
     ADD_S,
     KILL_S,
     LEARNED_NATS,
@@ -23,6 +22,7 @@ from swarm_driver import (  # tests/ is on sys.path (tests/conftest.py)
     first_samples,
     process_running,
 )
+from agora_worker.checkpoint import CheckpointStore, find_manifests
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from swarm_driver import ROOT  # tests/ is on sys.path (tests/conftest.py)
+from agora_devkit.swarm import ROOT
 
 pytestmark = pytest.mark.slow
 

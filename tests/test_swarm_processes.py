@@ -7,8 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-# tools/ is on sys.path: tests/conftest.py loads tests/swarm_driver.py, which puts it there
-from swarm_processes import Member, SwarmFile, alive, kill_last_worker, process_start, stop_all
+from agora_localswarm.processes import Member, SwarmFile, alive, kill_last_worker, process_start, stop_all
 
 
 def start_sleeper() -> subprocess.Popen:

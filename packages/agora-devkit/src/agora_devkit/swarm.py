@@ -1,8 +1,8 @@
 """Driving a local swarm (`tools/swarm.py up`) from the whole-system tests, the way a user does.
 
-Not a test module: tests/conftest.py puts this directory on sys.path and serves the fixtures
-built on it (``swarm_shards``, ``swarm_config``, ``swarm_factory``); the tests import the
-bounds and helpers below.
+tests/conftest.py serves the fixtures built on it (``swarm_shards``, ``swarm_config``,
+``swarm_factory``); the tests import the bounds and helpers below. It runs from a checkout
+(``agora_localswarm.checkout``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from agora_core.dht import BlockingDht
 from agora_core.errors import AgoraError
 from agora_core.schema import averaging_summary_key
 from agora_devkit.processes import wait_until
+from agora_localswarm import checkout
+from agora_localswarm.processes import SwarmFile
+from agora_localswarm.status import light_member
 from agora_trainer.cursor import reading_order
 from agora_trainer.shards import open_shard_set
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = checkout.root()
 SWARM = str(ROOT / "tools" / "swarm.py")
-sys.path.insert(0, str(ROOT / "tools"))
-from swarm_processes import SwarmFile  # noqa: E402 (tools/ is not a package: its modules import as scripts do)
-from swarm_status import light_member  # noqa: E402
 
 SAMPLES = 1024
 LANES = "2"  # few samples in flight: steps stay close to the target batch, as in the reference

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import click
 
-import swarm_authorizer
 from agora_core.admission.credential_file import save_credential
 from agora_core.identity import NodeKey
+from agora_localswarm import authorizer
 
 STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
 # One compute thread per process: a swarm on a laptop has more processes than cores.
@@ -85,7 +85,7 @@ class SwarmFile:
         if not self.authorized:
             return [], {}
         run_dir = Path(self.run_dir)
-        return swarm_authorizer.node_flags(self.authorizer_address), swarm_authorizer.node_env(run_dir)
+        return authorizer.node_flags(self.authorizer_address), authorizer.node_env(run_dir)
 
 
 def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -137,7 +137,7 @@ def start_seed(swarm: SwarmFile) -> subprocess.Popen:
     args = ["-m", "agora_core", "dht", "serve", "--config", swarm.config, "--key-file", str(key_path)]
     key = NodeKey.load_or_create(key_path)
     if swarm.authorized:  # an operator's seed: a credential of role dht, from the swarm's authorizer
-        credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "dht")
+        credential = authorizer.operator_credential(run_dir, swarm.config, key, "dht")
         args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
     proc = spawn(args, log)
     member = Member("dht", "dht", proc.pid, str(log), started=process_start(proc.pid))
@@ -154,7 +154,7 @@ def start_authorizer(swarm: SwarmFile) -> subprocess.Popen:
     ``swarm.authorizer_address`` once it serves."""
     run_dir = Path(swarm.run_dir)
     log = run_dir / "logs" / "authorizer.log"
-    proc = spawn(swarm_authorizer.serve_args(run_dir, swarm.config, swarm.seed_address), log)
+    proc = spawn(authorizer.serve_args(run_dir, swarm.config, swarm.seed_address), log)
     member = Member("authorizer", "authorizer", proc.pid, str(log), started=process_start(proc.pid))
     swarm.members.append(member)
     swarm.save()
@@ -180,7 +180,7 @@ def start_monitor(swarm: SwarmFile, *, http: str = "127.0.0.1:0", period_s: floa
     args += ["--db", str(monitor_db(swarm)), "--http", http, "--key-file", str(key_path)]
     args += ["--period-s", str(period_s), "--log-format", "console"]
     if swarm.authorized:
-        credential = swarm_authorizer.operator_credential(run_dir, swarm.config, key, "monitor")
+        credential = authorizer.operator_credential(run_dir, swarm.config, key, "monitor")
         args += ["--credential", str(save_credential(credential, key_path.with_suffix(".credential")))]
     proc = spawn(args, log)
     member = Member(
@@ -241,7 +241,7 @@ def start_worker(
     name = f"worker-{sum(1 for m in swarm.members if m.role == 'worker')}"
     node_id = NodeKey.load_or_create(key_file(swarm, name)).node_id  # known before it starts
     if swarm.authorized and stage is not None:
-        swarm_authorizer.pin(run_dir, node_id, stage)
+        authorizer.pin(run_dir, node_id, stage)
     log = run_dir / "logs" / f"{name}.log"
     proc = spawn(_worker_args(swarm, stage, name, extra), log, swarm.node_flags()[1])
     member = Member(
@@ -268,9 +268,7 @@ def restart_worker(swarm: SwarmFile, member: Member) -> tuple[subprocess.Popen, 
     if member.alive and alive(member.pid, member.started):
         raise click.ClickException(f"{member.name} is still running (pid {member.pid})")
     if swarm.authorized:  # back on the stage whose checkpoints it holds
-        swarm_authorizer.pin(
-            Path(swarm.run_dir), NodeKey.load(key_file(swarm, member.name)).node_id, member.stage
-        )
+        authorizer.pin(Path(swarm.run_dir), NodeKey.load(key_file(swarm, member.name)).node_id, member.stage)
     log = Path(member.log)
     offset = log.stat().st_size if log.exists() else 0
     proc = spawn(_worker_args(swarm, member.stage, member.name, ("--resume",)), log, swarm.node_flags()[1])

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import click
 
-import swarm_authorizer
 from agora_core.config import load_run_config
 from agora_core.contract import Phase
 from agora_core.dht import RecordRejected
@@ -37,7 +36,8 @@ from agora_core.schema import (
     stage_workers_key,
     trainer_progress_key,
 )
-from swarm_processes import SwarmFile, alive
+from agora_localswarm import authorizer
+from agora_localswarm.processes import SwarmFile, alive
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ def light_member(swarm: SwarmFile) -> dict:
     and in an authorized swarm a monitor credential from its authorizer."""
     key, credential = NodeKey.generate(), None
     if swarm.authorized:
-        credential = swarm_authorizer.operator_credential(Path(swarm.run_dir), swarm.config, key, "monitor")
+        credential = authorizer.operator_credential(Path(swarm.run_dir), swarm.config, key, "monitor")
     return {
         "run": load_run_config(swarm.config),
         "key": key,
@@ -164,7 +164,7 @@ def describe_swarm(swarm) -> list[str]:
     run_dir = Path(swarm.run_dir)
     lines = [f"swarm in {run_dir}: config {swarm.config}", f"  dht seed   {swarm.seed_address or '-'}"]
     if swarm.authorized:
-        admitted = swarm_authorizer.admitted(run_dir)
+        admitted = authorizer.admitted(run_dir)
         if admitted is None:
             count = "admitted: unknown (its database cannot be read)"
         else:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import swarm_authorizer
 from agora_core.admission.credential_file import save_credential
 from agora_core.config import load_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.identity import NodeKey
+from agora_localswarm import authorizer
 
 
 def key_file(run_dir: Path) -> Path:
@@ -32,7 +32,7 @@ def prepare_operator(run_dir: Path, config: str, *, authorized: bool) -> str:
     node runs on (``config`` itself in an authorized swarm: authorize() wrote it already)."""
     key = NodeKey.load_or_create(key_file(run_dir))
     if authorized:
-        credential = swarm_authorizer.operator_credential(run_dir, config, key, "operator")
+        credential = authorizer.operator_credential(run_dir, config, key, "operator")
         credential_file(run_dir).unlink(missing_ok=True)
         save_credential(credential, credential_file(run_dir))
         return config

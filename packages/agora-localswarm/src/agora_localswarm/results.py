@@ -11,13 +11,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
-TOOLS = ROOT / "tools"
+from agora_localswarm import checkout
+
 CENTRALIZED_SAMPLES = 320  # enough for a steady rate (~3 s on two cores), past its warm-up
 # The held-out text is of the same kind as the training text, so a healthy export scores near
 # the trainers' last losses; this many times above them means some stage's checkpoint does not
@@ -31,12 +30,12 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
     """The trained model from the workers' final checkpoints, its held-out loss and a sample."""
     model = run_dir / "model.safetensors"
     click.echo("what did the swarm learn? exporting the model from the workers' final checkpoints ...")
-    export = [sys.executable, str(TOOLS / "export_model.py"), "--config", config, "--out", str(model)]
+    export = checkout.tool("export_model.py", "--config", config, "--out", str(model))
     export += ["--shards", str(shards)]  # the model records the shards' tokenizer
     if subprocess.run([*export, "--from-checkpoints", str(run_dir / "checkpoints")]).returncode != 0:
         click.echo("no model exported (see the error above)")
         return
-    evaluate = [sys.executable, str(TOOLS / "evaluate.py"), str(model), "--shards", str(shards)]
+    evaluate = checkout.tool("evaluate.py", str(model), "--shards", str(shards))
     held_out = _held_out_loss([*evaluate, "--samples", "256", "--tokens", "160", "--json"])
     training = last_training_loss(run_dir)
     if held_out is not None and training is not None and held_out > HELD_OUT_ALARM_RATIO * training:
@@ -86,7 +85,7 @@ def centralized_rate(
     """Samples/s of ``reference_train.py`` on this machine over the first ``samples`` samples,
     its per-sample losses in ``loss_log`` if given (None where it cannot run: e.g. a surrogate
     model, or fewer samples in the shards)."""
-    command = [sys.executable, str(TOOLS / "reference_train.py"), "--config", config]
+    command = checkout.tool("reference_train.py", "--config", config)
     command += ["--shards", str(shards), "--samples", str(samples), "--print-every", str(samples)]
     if loss_log is not None:
         command += ["--loss-log", str(loss_log)]

@@ -1,0 +1,3 @@
+from agora_localswarm.cli import main
+
+main()

@@ -20,11 +20,11 @@ monitor stopped shows what was firing when it stopped, plus ``monitor_stale`` sa
 from __future__ import annotations
 
 import statistics
-import time
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from agora_core import world
 from agora_monitor import schema
 from agora_monitor.settings import MonitorSettings
 
@@ -85,7 +85,7 @@ def current_alerts(
     last = connection.execute(select(schema.runs.c.last_t).where(schema.runs.c.run == run)).scalar()
     if last is None:
         return []
-    wall = time.time() if now is None else now
+    wall = world.wall() if now is None else now
     at = last  # the run's clock: its last snapshot
     alerts = []
     if wall - last > STALE_PERIODS * settings.period_s:

@@ -14,6 +14,7 @@ import concurrent.futures
 import time
 from collections import Counter
 
+from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import AgoraError
@@ -77,7 +78,7 @@ class Monitor:
 
     async def restore(self) -> None:
         """Continue the run's totals from the database (a fresh ledger for a new run)."""
-        await self._in_writer(self.store.ensure_run, self.run, time.time())
+        await self._in_writer(self.store.ensure_run, self.run, world.wall())
         ledger, nodes = await self._in_writer(self.store.restore, self.run.name)
         self._ingest = Ingest(self.run, self.settings, ledger, nodes)
         log.info("monitor_restored", run=self.run.name, nodes=len(nodes), samples=ledger.samples)
@@ -118,7 +119,7 @@ class Monitor:
     async def run_forever(self) -> None:
         """A snapshot every ``period_s``, until cancelled."""
         while True:
-            started = time.monotonic()
+            started = world.monotonic()
             try:
                 rows = await self.snapshot_once()
             except (DhtError, AgoraError, TimeoutError) as exc:
@@ -129,7 +130,7 @@ class Monitor:
                 log.debug(
                     "monitor_snapshot", workers=rows.snapshot["workers"], samples=rows.snapshot["samples"]
                 )
-            await asyncio.sleep(max(0.0, self.settings.period_s - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.settings.period_s - (world.monotonic() - started)))
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

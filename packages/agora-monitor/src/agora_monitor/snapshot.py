@@ -12,9 +12,9 @@ stop is not reported as a lost worker.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
+from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.dht import DhtNode, DhtValue
 from agora_core.identity import node_id_from_public_key
@@ -141,6 +141,6 @@ async def read_keys(dht: DhtNode, keys: list[str]) -> dict[str, dict[str, DhtVal
 
 async def read_snapshot(dht: DhtNode, run: RunConfig) -> Snapshot:
     """Everything run ``run`` publishes, read through ``dht`` (DhtError if it cannot read)."""
-    t = time.time()
+    t = world.wall()
     found = await read_keys(dht, list(run_keys(run).values()))
     return parse_snapshot(run, t, found, members_of(dht), dht.left_ids())

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from importlib import resources
 
 from aiohttp import web
 
+from agora_core import world
 from agora_monitor import __version__, queries
 from agora_monitor.alerts import current_alerts
 from agora_monitor.settings import MonitorSettings
@@ -80,7 +80,7 @@ async def api_runs(request: web.Request) -> web.Response:
 
 async def api_overview(request: web.Request) -> web.Response:
     run = await _run_name(request)
-    return web.json_response({"run": run, "now": time.time(), **await _read(request, queries.overview, run)})
+    return web.json_response({"run": run, "now": world.wall(), **await _read(request, queries.overview, run)})
 
 
 async def api_series(request: web.Request) -> web.Response:

@@ -202,6 +202,17 @@ def run_tests(extra: list[str]) -> int:
         if subprocess.run([str(PYTHON), "-m", "ruff", *lint], cwd=ROOT).returncode != 0:
             _say("lint failed: run .venv/bin/ruff check --fix . && .venv/bin/ruff format .")
             return 1
+    _say("checking the layers (lint-imports: the contracts in pyproject.toml)")
+    lint_imports = [
+        str(PYTHON),
+        "-c",
+        "from importlinter.cli import lint_imports_command as c; c()",
+        "--no-cache",
+    ]
+    if subprocess.run(lint_imports, cwd=ROOT, stdout=subprocess.DEVNULL).returncode != 0:
+        subprocess.run(lint_imports, cwd=ROOT)  # again, to show what broke
+        _say("a layer contract is broken: a module imports one above its layer, or a role another role")
+        return 1
     _say("running the test suite (in random order: pytest-randomly prints the seed to rerun it with)")
     # --durations: the slowest tests are named in every run, so creeping test time is seen early
     result = subprocess.run([str(PYTHON), "-m", "pytest", "--durations=15", *extra], cwd=ROOT)

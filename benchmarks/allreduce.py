@@ -268,7 +268,7 @@ def loopback_figures(report: Report, args: argparse.Namespace) -> None:
             statistics.median(ours),
             statistics.median(theirs),
             "s (vs gloo all_reduce)",
-            target="<= 1.5",
+            target="ratio <= 1.5",
         )
         report.compare(
             "loopback_vs_gloo_weighted_mean",
@@ -298,7 +298,7 @@ def linked_figures(report: Report, args: argparse.Namespace) -> None:
             seconds,
             uploaded * 8 / LINK_BITS_PER_S,
             "s (vs the upload bound: busiest peer's bytes / bandwidth)",
-            target="<= 1.3",
+            target="ratio <= 1.3",
         )
         report.compare(
             "linked_vs_payload_over_bandwidth",

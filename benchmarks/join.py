@@ -118,7 +118,7 @@ async def download_figures(report: Report, mb: float, link: str) -> None:
                     bits / seconds / 1e6,
                     rate / 1e6,
                     "Mbit/s",
-                    target=">= 0.8",
+                    target="ratio >= 0.8",
                 )
                 report.add(f"donors={donors} donors_used", len(joined["donors"]), "donors")
         finally:

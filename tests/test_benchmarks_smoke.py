@@ -20,14 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from agora_devkit.benchmark_results import benchmark_names
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-
-
-def benchmark_names() -> list[str]:
-    """Every benchmark: a script in benchmarks/ (its helpers start with _), as
-    tools/benchmark_results.py lists them."""
-    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
 
 
 SMOKE_DEADLINE_S = 150  # benchmarks/_harness.py's SMOKE_DEADLINE_S

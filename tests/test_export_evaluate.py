@@ -24,6 +24,14 @@ from agora_core.config.dump import dump_toml
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
+from agora_localswarm.results import HELD_OUT_ALARM_RATIO, export_and_evaluate, last_training_loss
+from agora_model.export import (
+    WINDOW_INTERVALS,
+    checkpoint_manifests,
+    choose_checkpoint,
+    from_checkpoints,
+    stage_candidates,
+)
 from agora_trainer.manifest import read_manifest, tokenizer_record
 from agora_trainer.shards import open_shards
 from agora_worker.checkpoint import CheckpointStore, find_manifests
@@ -33,17 +41,6 @@ from agora_worker.optimizer import HostOptimizer
 from agora_worker.settings import WorkerSettings
 from agora_worker.state import StageState, StateSnapshot
 from agora_worker.worker import Worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # not a package
-
-from agora_localswarm.results import HELD_OUT_ALARM_RATIO, export_and_evaluate, last_training_loss
-from export_model import (
-    WINDOW_INTERVALS,
-    checkpoint_manifests,
-    choose_checkpoint,
-    from_checkpoints,
-    stage_candidates,
-)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

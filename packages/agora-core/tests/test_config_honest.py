@@ -8,7 +8,6 @@ small sources, and check that a config setting an unimplemented key is refused.
 
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 from pathlib import Path
 
@@ -19,18 +18,11 @@ from agora_core.cli import main
 from agora_core.config import AdmissionConfig, RunConfig, parse_run_config
 from agora_core.config.unimplemented import NOT_IMPLEMENTED, field_at
 from agora_core.errors import ConfigError
+from agora_devkit import config_reads as tool
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("agora_config_reads", ROOT / "tools" / "config_reads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
 RUN_PY = tool.RUN_PY
 
 

@@ -23,7 +23,7 @@ from agora_core.node_cli import (
     status_interval_option,
 )
 from agora_core.run_node import RunNode
-from agora_trainer import __version__
+from agora_trainer import __version__, shards_cli
 from agora_trainer.rotation_cli import rotate_shards
 from agora_trainer.trainer import Trainer, TrainerSettings
 
@@ -35,6 +35,17 @@ def main() -> None:
 
 
 main.add_command(rotate_shards)
+
+
+@main.command(
+    "make-shards",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.pass_context
+def make_shards_command(ctx: click.Context) -> None:
+    """Turn a corpus into a shard set: a manifest, training shards, a validation split (--help)."""
+    sys.exit(shards_cli.main(ctx.args or ["--help"]))
 
 
 def status_line(trainer: Trainer) -> str:

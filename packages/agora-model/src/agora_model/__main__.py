@@ -1,0 +1,3 @@
+from agora_model.cli import main
+
+main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_devkit.postgres import create_database, postgres_server
 from agora_devkit.prometheus import pushgateway_process
 

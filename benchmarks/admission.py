@@ -42,7 +42,7 @@ from pathlib import Path
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_devkit.authorizer import TestJoiner, authorizer_process, small_run
 
 ADMISSION_WAIT_S = 600.0  # a joiner's wait for its credential, in the largest crowd

@@ -42,12 +42,12 @@ import numpy as np
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_core.allocator import tune_for_large_messages
 from agora_core.config.run import TransportConfig
 from agora_core.contract import Phase
-from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.node.allocator import tune_for_large_messages
+from agora_core.node.run_node import rpc_config
 from agora_core.rpc import RpcClient, RpcServer
-from agora_core.run_node import rpc_config
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 from agora_devkit.processes import ChildProcess, spawn_python
 from agora_worker.averaging.allreduce import all_reduce
 from agora_worker.averaging.board import ReductionBoard

@@ -50,9 +50,9 @@ from agora_core.dht import DhtError
 from agora_core.errors import RpcError
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
-from agora_core.logs import configure_logging
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import configure_logging
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.schema import WorkerAnnouncement, parse_entries, stage_workers_key
 from agora_localswarm.cli import default_shards_dir
 

@@ -31,8 +31,8 @@ from _report import Report  # benchmarks/ is on sys.path when a benchmark runs a
 from agora_core.config import load_run_config
 from agora_core.contract import Method
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import configure_logging
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
 from agora_worker.compute import build_compute

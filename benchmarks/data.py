@@ -27,7 +27,7 @@ from pathlib import Path
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_trainer.cursor import SampleCursor
 from agora_trainer.manifest import load_tokenizer
 from agora_trainer.sharding import TrainBpe, make_shards

@@ -54,11 +54,11 @@ from _secured import security_of
 from agora_core.config.run import DhtConfig
 from agora_core.contract import Method
 from agora_core.dht import DhtNode, Status
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig, LinkEmulator
-from agora_core.logs import configure_logging
+from agora_core.node.heap import settle_startup_heap
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcConfig
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 from agora_devkit.processes import spawn_python
 
 # The run config's defaults (1 s periods, 5 s suspicion timeout): a real swarm's cadence, and

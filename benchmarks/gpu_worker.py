@@ -45,7 +45,7 @@ from agora_core.config import load_run_config
 from agora_core.config.run import AveragingConfig, ModelConfig, OptimizerConfig, RunConfig
 from agora_core.contract import Method
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
 from agora_worker.backend import StageBackend

@@ -41,9 +41,9 @@ from agora_core.contract import Method
 from agora_core.dht import BlockingDht, DhtNode
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
+from agora_core.rpc.linkemu import LinkConfig
 from agora_devkit.processes import spawn_python
 from agora_localswarm.processes import Member, SwarmFile
 from agora_localswarm.status import light_member

@@ -49,9 +49,9 @@ from agora_core.config import load_run_config
 from agora_core.contract import Phase
 from agora_core.dht.records import owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import configure_logging
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.schema import (
     StageProgress,
     TrainerProgress,

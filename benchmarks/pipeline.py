@@ -30,7 +30,7 @@ from agora_core.config import load_run_config
 from agora_core.contract import Method
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
 from agora_trainer.sharding import make_shards

@@ -53,7 +53,7 @@ from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.injection import INJECTED_EXIT_CODE, Targets
 from agora_core.injection.publish import clear, new_injection, publish
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import ChildProcess, poll_until, spawn_python
 

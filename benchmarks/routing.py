@@ -28,7 +28,7 @@ from agora_core.contract import Method, Phase
 from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_core.rpc import Payload, RpcServer
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_devkit.processes import spawn_python

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_sim.dht_swarm import LinkRange
 from agora_sim.swarm import SwarmScenario, parse_swarm, run_swarm_scenario
 

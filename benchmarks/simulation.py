@@ -44,7 +44,7 @@ from pathlib import Path
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_sim import Simulation
 from agora_sim.dht_swarm import SimDhtSwarm
 from agora_sim.swarm import SwarmScenario, run_swarm_scenario
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 REPLAY = """
 import sys
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 configure_logging(level="error")
 from agora_sim.dht_run import run_dht_scenario
 from agora_sim.scenario import Scenario, Churn

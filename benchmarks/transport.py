@@ -41,11 +41,11 @@ import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from _secured import AUTHORIZER_SEED_ENV, SERVER_SEED_ENV, curve_client, key_from_env, new_seeds, security_of
 from agora_core.auth.security import TransportSecurity
-from agora_core.codec import CompressionPolicy
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient, RpcConfig
-from agora_core.wire import Kind, Message, WireConfig, encode
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
+from agora_core.wire.codec import CompressionPolicy
+from agora_core.wire.message import Kind, Message, WireConfig, encode
 from agora_devkit.processes import spawn_python
 
 MiB = 1 << 20

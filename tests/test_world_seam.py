@@ -15,7 +15,7 @@ BYPASSES = {("time", "time"), ("time", "monotonic"), ("os", "urandom")}
 
 def allowed(path: Path) -> bool:
     """The seam, and the modules that are a command's front end."""
-    return path.name in ("world.py", "cli.py", "node_cli.py", "__main__.py") or path.name.endswith("_cli.py")
+    return path.name in ("world.py", "cli.py", "__main__.py") or path.name.endswith("_cli.py")
 
 
 def bypasses_in(tree: ast.AST) -> list[tuple[int, str]]:

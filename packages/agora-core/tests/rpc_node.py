@@ -14,10 +14,10 @@ import hashlib
 import os
 import sys
 
-from agora_core.logs import configure_logging
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import configure_logging
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcConfig, RpcServer, TensorAssembler
-from agora_core.wire import WireConfig, WireLimits
+from agora_core.wire.message import WireConfig, WireLimits
 
 
 def rss_bytes(field: str = "VmRSS") -> int:

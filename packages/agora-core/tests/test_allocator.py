@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from agora_core.allocator import tune_for_large_messages
+from agora_core.node.allocator import tune_for_large_messages
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -21,7 +21,7 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 _CYCLES = """
 import json, resource, sys, threading
 import numpy as np
-from agora_core.allocator import tune_for_large_messages
+from agora_core.node.allocator import tune_for_large_messages
 applied = tune_for_large_messages()
 held, in_thread = int(sys.argv[1]), sys.argv[2] == "thread"
 def cycle():

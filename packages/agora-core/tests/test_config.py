@@ -9,7 +9,7 @@ import pytest
 
 from agora_core.config import NodeSettings, RunConfig, load_run_config, parse_run_config
 from agora_core.errors import ConfigError
-from agora_core.run_node import rpc_config
+from agora_core.node.run_node import rpc_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 

@@ -16,7 +16,7 @@ from agora_core.contract import Method
 from agora_core.dht import DhtNode, bulk
 from agora_core.dht.records import make_record
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig, LinkEmulator
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 from agora_devkit.processes import poll_until, wait_until_async
 
 SLOW_ONE_WAY_S = 0.2  # an answer from the slow replica takes >= 0.4 s (its link, both ways)

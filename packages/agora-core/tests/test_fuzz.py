@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from agora_core.errors import LimitExceeded, UnsupportedProtocolVersion, WireError
 from agora_core.rpc import RpcClient
-from agora_core.wire import (
+from agora_core.wire.message import (
     Kind,
     Message,
     WireConfig,

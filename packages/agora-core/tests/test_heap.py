@@ -1,11 +1,11 @@
-"""A node's startup heap, settled once it serves (agora_core.heap)."""
+"""A node's startup heap, settled once it serves (agora_core.node.heap)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from agora_core.heap import settle_startup_heap
+from agora_core.node.heap import settle_startup_heap
 
 
 class Node:

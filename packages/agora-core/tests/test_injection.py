@@ -32,7 +32,7 @@ from agora_core.injection import (
 )
 from agora_core.injection.publish import clear, list_injections, new_injection, publish
 from agora_core.injection.record import NodeTraits, record_subkey, selected_by_fraction
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
 from agora_devkit.authority import TestAuthority
 from agora_devkit.processes import wait_until_async

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 
 
 async def echo(request):

@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from agora_core.logs import configure_logging, get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import configure_logging, get_logger
+from agora_core.observability.metrics import NodeMetrics
 
 
 def test_every_sample_carries_the_node_labels():

@@ -13,8 +13,8 @@ import pytest
 
 from agora_core.config import NodeSettings
 from agora_core.errors import ConfigError
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_push import MetricsPusher
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_push import MetricsPusher
 from agora_devkit.processes import wait_until
 from agora_devkit.prometheus import pushgateway_process
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 from agora_core.config import RunConfig
-from agora_core.host import host_rss_bytes
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.host import host_rss_bytes
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_devkit.authority import TestAuthority
 
 EXPIRY = "agora_credential_expiry_timestamp_seconds"

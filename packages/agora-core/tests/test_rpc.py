@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import zmq
 
-from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
 from agora_core.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -20,9 +19,10 @@ from agora_core.errors import (
     PeerUnreachable,
     UnknownMethod,
 )
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer
-from agora_core.wire import PROTOCOL_VERSION
+from agora_core.wire.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
+from agora_core.wire.message import PROTOCOL_VERSION
 from agora_devkit.processes import wait_until_async as wait_until
 
 

@@ -12,7 +12,7 @@ import zmq
 
 from agora_core.errors import BadRequest, DeadlineExceeded, StreamError
 from agora_core.rpc import Payload, RpcClient, RpcConfig, RpcServer, receive_tensor, send_tensor
-from agora_core.wire import PROTOCOL_VERSION
+from agora_core.wire.message import PROTOCOL_VERSION
 from agora_devkit.processes import wait_until_async
 
 WINDOW = 4

@@ -22,9 +22,9 @@ from agora_core.contract import Method
 from agora_core.dht import member_list, owned_subkey
 from agora_core.errors import Forbidden, PeerRefused, RpcError, Unauthenticated
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcServer
-from agora_core.run_node import RunNode
 from agora_devkit.authority import TestAuthority
 from agora_devkit.processes import poll_until
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import zmq
 
-from agora_core.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy
-from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
 from agora_core.errors import LimitExceeded, MalformedMessage, UnsupportedProtocolVersion, WireError
-from agora_core.wire import PROTOCOL_VERSION, Kind, Message, WireConfig, WireLimits, decode, encode
+from agora_core.wire.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy
+from agora_core.wire.dtypes import SUPPORTED_DTYPES, TaggedArray, storage_dtype
+from agora_core.wire.message import PROTOCOL_VERSION, Kind, Message, WireConfig, WireLimits, decode, encode
 
 CONFIG = WireConfig()
 SMALL_CHUNKS = WireConfig(chunk_bytes=4096)

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from agora_core.config import NodeSettings, load_run_config
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_core.schema import StageProgress, stage_progress_key, stage_workers_key, trainer_progress_key
 from agora_devkit.monitor import trainer, worker
 from agora_devkit.processes import wait_until_async

@@ -20,8 +20,8 @@ from agora_core.config import NodeSettings, parse_run_config
 from agora_core.contract import Phase
 from agora_core.dht import owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_devkit.authorizer import (
     OPEN_FLOORS,

@@ -15,7 +15,7 @@ import numpy as np
 import structlog
 
 from agora_core.contract import Method
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload
 from agora_core.schema import WorkerAnnouncement
 from agora_trainer.balancer import StageBalancer

@@ -15,8 +15,8 @@ import pytest
 from agora_core.config import RunConfig
 from agora_core.dht import BlockingDht, DhtNode
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkConfig, LinkEmulator
 from agora_core.rpc import RpcClient
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 from agora_worker.worker import Worker
 
 

@@ -15,7 +15,7 @@ import torch
 
 from agora_core.config import RunConfig
 from agora_core.config.run import ModelConfig, OptimizerConfig, parse_run_config
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_devkit.processes import wait_until_async
 from agora_worker import checkpoint as checkpoint_module
 from agora_worker.checkpoint import (

@@ -14,8 +14,8 @@ import torch
 
 from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.run import DhtConfig, ModelConfig, TransportConfig
-from agora_core.dtypes import TaggedArray
 from agora_core.errors import ConfigError
+from agora_core.wire.dtypes import TaggedArray
 from agora_devkit.worker import train_one_pass
 from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage

@@ -12,7 +12,7 @@ import torch
 
 from agora_core.config import OptimizerConfig, RunConfig
 from agora_core.config.run import ModelConfig
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker import transfers
 from agora_worker.backend import StageBackend
 from agora_worker.compute import build_compute

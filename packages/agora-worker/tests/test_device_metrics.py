@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker.device_metrics import export_device_memory
 
 NAMES = ("allocated", "reserved", "peak", "total")

@@ -16,8 +16,8 @@ from agora_core.config.lifecycle import JoinConfig, SyncConfig
 from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.contract import Method, Phase
 from agora_core.errors import BadRequest, NotServing
-from agora_core.linkemu import LinkConfig
 from agora_core.rpc import Payload, RpcClient, RpcServer
+from agora_core.rpc.linkemu import LinkConfig
 from agora_devkit.processes import wait_until_async
 from agora_worker.joining import PhaseTracker, StateDownloadFailed, download_state
 from agora_worker.joining.donor import manifest_payload

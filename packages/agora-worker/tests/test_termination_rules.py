@@ -9,9 +9,9 @@ import pytest
 
 from agora_core.config import TerminationConfig
 from agora_core.contract import DepartureReason
-from agora_core.host import host_rss_bytes
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
+from agora_core.node.host import host_rss_bytes
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker.averaging.averager import RoundReport
 from agora_worker.termination import EXIT_CODES, Watchdog, round_failed
 from agora_worker.termination.rules import (

@@ -32,11 +32,11 @@ from agora_authorizer.store import AlreadyExists, Store, StoreError
 from agora_core.admission.software import local_build
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.node_cli import fail, load_config, resolve_node
+from agora_core.node.heap import settle_startup_heap
+from agora_core.node.options import fail, load_config, resolve_node
+from agora_core.observability.logs import configure_logging
+from agora_core.observability.metrics_exposure import MetricsExposure
 
 DEFAULT_KEY = "~/.agora/authorizer.key"
 NODE_ID = re.compile(r"^[0-9a-f]{40}$")

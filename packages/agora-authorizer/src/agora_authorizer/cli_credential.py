@@ -15,7 +15,7 @@ from agora_core.admission.credential import ROLES, Credential, issue_credential
 from agora_core.admission.credential_file import save_credential
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.node_cli import fail, load_config
+from agora_core.node.options import fail, load_config
 
 OPERATOR_ACCOUNT = "operator"
 DEFAULT_LIFETIME_S = 30 * 24 * 3600.0

@@ -25,7 +25,7 @@ from agora_core.admission import (
 from agora_core.admission.signed import decode_map
 from agora_core.config import RunConfig
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.rpc import Payload, Request
 
 log = get_logger("authorizer.issuing")

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from agora_authorizer.bucket import TokenBucket
 from agora_core import world
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("authorizer.queue")
 

@@ -21,7 +21,7 @@ from agora_core.dht import DhtNode
 from agora_core.dht.owned import REFRESHES_PER_TTL, OwnedEntry
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("authorizer.revocations")
 

@@ -37,10 +37,10 @@ from agora_core.config import RunConfig
 from agora_core.contract import Method
 from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request
-from agora_core.run_node import RunNode
 
 log = get_logger("authorizer")
 RECENT_ADMISSIONS = 4096  # admitted requests answered from memory

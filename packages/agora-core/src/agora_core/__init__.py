@@ -1,6 +1,5 @@
 """agora-core: wire format, RPC, link emulation, configuration, logging and metrics."""
 
-from agora_core.dtypes import SUPPORTED_DTYPES, TaggedArray
 from agora_core.errors import (
     AgoraError,
     BadRequest,
@@ -18,6 +17,7 @@ from agora_core.errors import (
     UnsupportedProtocolVersion,
     WireError,
 )
+from agora_core.wire.dtypes import SUPPORTED_DTYPES, TaggedArray
 
 __version__ = "0.1.0"
 

@@ -20,22 +20,22 @@ from agora_core.config.unimplemented import NOT_IMPLEMENTED
 from agora_core.config.vocabulary import vocabulary_fit
 from agora_core.contract import Method
 from agora_core.errors import AgoraError, ConfigError
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
 from agora_core.injection.cli import inject
-from agora_core.linkemu import LinkEmulator
-from agora_core.logs import configure_logging, get_logger
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.node_cli import (
+from agora_core.node.heap import settle_startup_heap
+from agora_core.node.options import (
     fail,
     load_config,
     node_options,
     resolve_node,
     status_interval_option,
 )
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import configure_logging, get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
-from agora_core.run_node import RunNode
+from agora_core.rpc.linkemu import LinkEmulator
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -29,9 +29,9 @@ from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.dht import BlockingDht
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
+from agora_core.node.run_node import RunNode, transport_security
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient, RpcServer
-from agora_core.run_node import RunNode, transport_security
 from agora_devkit.authority import TestAuthority
 from agora_devkit.processes import ChildProcess, spawn_python
 

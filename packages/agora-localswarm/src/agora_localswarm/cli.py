@@ -53,7 +53,7 @@ from pathlib import Path
 import click
 
 from agora_core.config import DataConfig, load_run_config
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_localswarm import checkout
 from agora_localswarm.authorizer import authorize, db_url
 from agora_localswarm.operator import prepare_operator

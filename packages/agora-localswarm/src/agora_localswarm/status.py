@@ -24,8 +24,8 @@ from agora_core.contract import Phase
 from agora_core.dht import RecordRejected
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.schema import (
     StageProgress,
     TrainerProgress,

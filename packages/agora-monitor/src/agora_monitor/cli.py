@@ -21,12 +21,12 @@ import click
 
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError, ConfigError
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
-from agora_core.logs import configure_logging, get_logger
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.node_cli import fail, load_config, resolve_node
+from agora_core.node.heap import settle_startup_heap
+from agora_core.node.options import fail, load_config, resolve_node
+from agora_core.observability.logs import configure_logging, get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_monitor import __version__
 from agora_monitor.observer import join, observer_node
 from agora_monitor.service import Monitor

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agora_core.errors import AgoraError
-from agora_core.sql import DatabaseError
+from agora_core.node.sql import DatabaseError
 
 
 class MonitorDatabaseError(DatabaseError):

@@ -17,8 +17,8 @@ from agora_core.config import RunConfig
 from agora_core.dht import DhtError
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_monitor.errors import BootstrapUnreachable, CredentialMissing
 
 OBSERVER_ROLES = ("monitor", "operator", "dht")

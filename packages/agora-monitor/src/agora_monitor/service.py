@@ -18,8 +18,8 @@ from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import AgoraError
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_monitor.alerts import ALERT_NAMES, current_alerts
 from agora_monitor.ingest import Ingest, Rows
 from agora_monitor.settings import MonitorSettings

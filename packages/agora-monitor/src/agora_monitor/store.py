@@ -11,7 +11,7 @@ from __future__ import annotations
 from sqlalchemy import case, insert, select, update
 
 from agora_core.config import RunConfig
-from agora_core.sql import SqlDatabase
+from agora_core.node.sql import SqlDatabase
 from agora_monitor import rollup, schema
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Rows
@@ -23,7 +23,7 @@ UPDATED_NODE_COLUMNS = [
 
 
 class MonitorStore(SqlDatabase):
-    """The monitor's tables on one database, SQLite or PostgreSQL (see :mod:`agora_core.sql`)."""
+    """The monitor's tables on one database, SQLite or PostgreSQL (see :mod:`agora_core.node.sql`)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(

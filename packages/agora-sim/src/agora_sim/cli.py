@@ -33,7 +33,7 @@ from pathlib import Path
 
 import click
 
-from agora_core.logs import configure_logging
+from agora_core.observability.logs import configure_logging
 from agora_sim.dht_run import DhtRunResult, run_dht_scenario
 from agora_sim.scenario import ScenarioError, load_scenario
 from agora_sim.search import search_one

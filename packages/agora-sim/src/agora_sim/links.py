@@ -4,7 +4,7 @@ A message from host A to host B waits for A's upload pipe (serialized at A's upl
 whatever A sent before it), crosses the internet in A's one-way latency plus B's (each with
 its jitter), then waits for B's download pipe. ``loss`` is the fraction of messages whose TCP
 segments are lost on the way: over TCP nothing vanishes, so each costs a retransmission
-timeout instead. The same shape as :mod:`agora_core.linkemu`, computed instead of slept.
+timeout instead. The same shape as :mod:`agora_core.rpc.linkemu`, computed instead of slept.
 
 ``window_bytes`` is the TCP window a host's connections get (the smaller of the two ends'
 on a path): a connection has at most that much unacknowledged, so its stream moves at most a

@@ -33,8 +33,8 @@ from agora_core.admission.node_admission import NodeAdmission
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 from agora_trainer.trainer import Trainer, TrainerSettings
 from agora_worker.admission import device_matmul
 from agora_worker.settings import WorkerSettings

@@ -12,17 +12,17 @@ import click
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings
 from agora_core.errors import AgoraError
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.node_cli import (
+from agora_core.node.heap import settle_startup_heap
+from agora_core.node.options import (
     fail,
     launch_role,
     node_options,
     status_interval_option,
 )
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_trainer import __version__, shards_cli
 from agora_trainer.rotation_cli import rotate_shards
 from agora_trainer.trainer import Trainer, TrainerSettings

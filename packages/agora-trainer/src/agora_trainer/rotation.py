@@ -33,8 +33,8 @@ from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
 from agora_core.injection.operators import OperatorKeys
 from agora_core.injection.record import InjectionRejected
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_trainer.cursor import SampleCursor
 from agora_trainer.rotation_record import RotationError, ShardAssignment, format_ranges, shard_assignment_key
 

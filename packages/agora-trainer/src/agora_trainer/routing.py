@@ -31,8 +31,8 @@ from agora_core import world
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigger
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
 from agora_trainer.balancer import StageBalancer, WorkerRef
 from agora_trainer.witness import DISTRUST_S, LossWitness, WitnessConfig

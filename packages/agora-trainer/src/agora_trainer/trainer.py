@@ -28,10 +28,10 @@ from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.injection import InjectionPoints, InjectionWatcher, NodeEffects
 from agora_core.injection.operators import OperatorKeys
-from agora_core.linkemu import LinkEmulator
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.schema import (
     TrainerProgress,
     WorkerAnnouncement,

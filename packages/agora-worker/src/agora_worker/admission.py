@@ -22,7 +22,7 @@ from agora_core.admission.join_request import HardwareReport
 from agora_core.admission.node_admission import NodeAdmission, cpu_hardware
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.identity import NodeKey
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
 
 
 def device_matmul(device: torch.device) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:

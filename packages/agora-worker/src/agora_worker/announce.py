@@ -19,7 +19,7 @@ from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 
 log = get_logger("worker.announce")

@@ -41,7 +41,7 @@ from agora_core import world
 from agora_core.config import RunConfig
 from agora_core.config.dump import dump_toml
 from agora_core.errors import AgoraError
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_worker.state import StateMismatch, StateSnapshot, tensor_digest
 
 FORMAT = "agora-checkpoint-v1"

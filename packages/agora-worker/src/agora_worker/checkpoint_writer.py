@@ -17,8 +17,8 @@ import concurrent.futures
 from collections.abc import Callable
 
 from agora_core import world
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker.checkpoint import CheckpointStore
 from agora_worker.state import StateSnapshot
 

@@ -13,17 +13,17 @@ from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.contract import Phase, StageRole
 from agora_core.errors import AgoraError
-from agora_core.heap import settle_startup_heap
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
-from agora_core.metrics_exposure import MetricsExposure
-from agora_core.node_cli import (
+from agora_core.node.heap import settle_startup_heap
+from agora_core.node.options import (
     fail,
     launch_role,
     node_options,
 )
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_worker import __version__
 from agora_worker.admission import admit, worker_admission
 from agora_worker.backend import pick_device

@@ -18,7 +18,7 @@ from torch import nn
 
 from agora_core.config import RunConfig
 from agora_core.errors import ConfigError
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker.backend import BOUNDARY_DTYPES, StageBackend, pick_device
 from agora_worker.device_metrics import export_device_memory
 from agora_worker.memory import measure_batch_limit

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 
 
 def export_device_memory(metrics: NodeMetrics, device: torch.device) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from agora_core.contract import StageRole
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_worker.backend import StageBackend
 
 log = get_logger("worker.memory")

@@ -16,10 +16,10 @@ import numpy as np
 from agora_core.auth.access import only
 from agora_core.config.run import ModelConfig
 from agora_core.contract import Method, Phase, StageRole
-from agora_core.dtypes import Tensor
 from agora_core.errors import BadRequest, NotServing, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.rpc import Payload, Request, RpcServer
+from agora_core.wire.dtypes import Tensor
 from agora_worker.runtime import Op, Runtime
 from agora_worker.tensors import activations, token_ids
 

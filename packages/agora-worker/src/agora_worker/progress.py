@@ -41,7 +41,7 @@ from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import REFRESHES_PER_TTL, OwnedEntry, check_refresh
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
 
 log = get_logger("worker.progress")

@@ -35,8 +35,8 @@ import torch
 
 from agora_core import world
 from agora_core.injection import Slowdown
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_worker.backend import StageBackend
 from agora_worker.tensors import split_samples
 

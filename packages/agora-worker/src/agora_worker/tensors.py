@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from agora_core.dtypes import TaggedArray, Tensor
 from agora_core.errors import BadRequest
+from agora_core.wire.dtypes import TaggedArray, Tensor
 
 INTEGER_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))

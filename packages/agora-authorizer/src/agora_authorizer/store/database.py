@@ -1,7 +1,7 @@
 """Opening the authorizer's database, SQLite or PostgreSQL, and running transactions on it.
 
 The engine setup, URL syntax and transaction discipline are shared with the monitor's
-database (:mod:`agora_core.sql`): every transaction commits when its block ends, before the
+database (:mod:`agora_core.node.sql`): every transaction commits when its block ends, before the
 store's method returns, so once a caller has been told something (a request id, a serial,
 "this nonce is new"), a SIGKILL cannot take it back.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from sqlalchemy.engine import URL
 
 from agora_authorizer.store import schema
-from agora_core import sql
-from agora_core.sql import BUSY_TIMEOUT_S, SUPPORTED_URLS, DatabaseError
+from agora_core.node import sql
+from agora_core.node.sql import BUSY_TIMEOUT_S, SUPPORTED_URLS, DatabaseError
 
 __all__ = [
     "BUSY_TIMEOUT_S",

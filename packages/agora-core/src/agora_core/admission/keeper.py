@@ -19,7 +19,7 @@ from agora_core.admission.join_request import RefreshRequest, sign_refresh_reque
 from agora_core.contract import Method
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.rpc import RpcClient
 
 log = get_logger("admission.keeper")

@@ -36,8 +36,8 @@ from agora_core.config import NodeSettings, RunConfig
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.logs import get_logger
 
 log = get_logger("admission.node")
 

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agora_core import world
-from agora_core.addresses import normalize_address
 from agora_core.admission.credential import CredentialError
 from agora_core.auth.curve import curve_keypair, curve_public_key
 from agora_core.auth.peers import PeerIdentity, PeerVerifier
 from agora_core.errors import PeerRefused, Unauthenticated
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
+from agora_core.wire.addresses import normalize_address
 
 if TYPE_CHECKING:
     from agora_core.admission.revocations import Revocations

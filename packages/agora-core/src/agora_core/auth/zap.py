@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("auth.zap")
 

@@ -17,8 +17,8 @@ from typing import Any, Literal, TypeVar
 from agora_core.config.admission import AdmissionConfig
 from agora_core.config.loader import build, coerce, field_types, require
 from agora_core.errors import ConfigError
-from agora_core.linkemu import LinkConfig, LinkEmulator
-from agora_core.metrics_push import GatewayAddressError, gateway_url
+from agora_core.observability.metrics_push import GatewayAddressError, gateway_url
+from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 
 ENV_PREFIX = "AGORA_"
 S = TypeVar("S")

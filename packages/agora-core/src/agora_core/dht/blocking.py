@@ -38,7 +38,7 @@ class BlockingDht:
 
     @staticmethod
     async def _make_run_node(kwargs: dict):
-        from agora_core.run_node import RunNode  # it builds on the DHT: imported when used
+        from agora_core.node.run_node import RunNode  # it builds on the DHT: imported when used
 
         return RunNode(**kwargs)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agora_core.addresses import normalize_address
 from agora_core.dht.membership import GONE, MemberTable
 from agora_core.dht.records import RecordRejected
 from agora_core.identity import node_id_from_public_key
+from agora_core.wire.addresses import normalize_address
 
 if TYPE_CHECKING:
     from agora_core.auth.peers import PeerVerifier

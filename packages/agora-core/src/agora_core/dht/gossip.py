@@ -26,8 +26,8 @@ from agora_core.dht.detector import FailureDetector
 from agora_core.dht.membership import Budget, Member, MemberTable, Status, parse_update
 from agora_core.dht.records import DhtError
 from agora_core.errors import BadRequest, RpcError
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcClient, RpcServer
 
 log = get_logger("dht")

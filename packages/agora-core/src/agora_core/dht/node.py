@@ -34,10 +34,10 @@ from agora_core.dht.replication import Replication
 from agora_core.dht.storage import RecordStore, StoreLimits, Validators
 from agora_core.dht.values import DhtValue, visible
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkEmulator
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcConfig, RpcServer
+from agora_core.rpc.linkemu import LinkEmulator
 
 if TYPE_CHECKING:
     from agora_core.auth.peers import PeerVerifier

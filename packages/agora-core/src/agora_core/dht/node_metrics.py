@@ -6,7 +6,7 @@ import collections
 import time
 
 from agora_core.dht.membership import MemberTable
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 
 OP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

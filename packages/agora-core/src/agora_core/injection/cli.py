@@ -44,8 +44,8 @@ import click
 
 from agora_core.injection import Action, InjectionRejected, Targets, Trigger
 from agora_core.injection.publish import DEFAULT_TTL_S, clear, list_injections, new_injection, publish
-from agora_core.logs import configure_logging
-from agora_core.operator_session import operator_options, resolve, run_or_exit
+from agora_core.node.operator_session import operator_options, resolve, run_or_exit
+from agora_core.observability.logs import configure_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from agora_core import world
 from agora_core.injection.record import Action, Injection
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("injection")
 

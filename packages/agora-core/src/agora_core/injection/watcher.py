@@ -27,12 +27,12 @@ from agora_core.injection.effects import NodeEffects
 from agora_core.injection.operators import OperatorKeys
 from agora_core.injection.points import NO_INJECTIONS, InjectionPoints
 from agora_core.injection.record import Injection, InjectionRejected, NodeTraits, injections_key
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 
 if TYPE_CHECKING:
     from agora_core.config import RunConfig
-    from agora_core.run_node import RunNode
+    from agora_core.node.run_node import RunNode
 
 log = get_logger("injection")
 

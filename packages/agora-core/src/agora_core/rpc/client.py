@@ -16,15 +16,15 @@ from typing import Any
 
 from agora_core import world
 from agora_core.auth.security import TransportSecurity
-from agora_core.dtypes import Tensor
 from agora_core.errors import DeadlineExceeded
-from agora_core.linkemu import LinkEmulator
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc.connections import ClientConnections
 from agora_core.rpc.deadlines import DeadlineBuckets
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.rpc.streams import ClientStream
 from agora_core.rpc.types import Payload, RpcConfig
-from agora_core.wire import Kind, Message
+from agora_core.wire.dtypes import Tensor
+from agora_core.wire.message import Kind, Message
 
 
 class _Expired(Exception):

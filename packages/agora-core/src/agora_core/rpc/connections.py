@@ -18,18 +18,18 @@ import itertools
 from collections.abc import Callable
 
 from agora_core import world
-from agora_core.addresses import normalize_address
 from agora_core.auth.security import HELLO_METHOD, TransportSecurity
 from agora_core.errors import PeerRefused, PeerUnreachable, RpcError, WireError, rpc_error_from_code
-from agora_core.linkemu import LinkEmulator
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.rpc.network import LOST, REFUSED, REJECTED, UP, ClientEndpoint
 from agora_core.rpc.peer_connection import PeerConnection
 from agora_core.rpc.streams import ClientStream
 from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import RpcConfig, Traffic
-from agora_core.wire import Kind, Message, check_header, decode_tensors, encode, unpack_header
+from agora_core.wire.addresses import normalize_address
+from agora_core.wire.message import Kind, Message, check_header, decode_tensors, encode, unpack_header
 
 log = get_logger("rpc.client")
 

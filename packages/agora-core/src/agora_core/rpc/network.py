@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from agora_core.auth.curve import curve_public_key
-from agora_core.linkemu import LinkEmulator
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.rpc.transport import SocketPump, new_socket
 from agora_core.rpc.types import RpcConfig
 

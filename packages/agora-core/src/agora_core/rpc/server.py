@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from typing import Union
 
 from agora_core import world
-from agora_core.addresses import normalize_address
 from agora_core.auth.access import CREDENTIALED, Access
 from agora_core.auth.security import TransportSecurity
 from agora_core.errors import (
@@ -28,9 +27,9 @@ from agora_core.errors import (
     StreamError,
     WireError,
 )
-from agora_core.linkemu import LinkEmulator
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.rpc.network import ServerEndpoint
 from agora_core.rpc.server_calls import (
     Call,
@@ -47,7 +46,8 @@ from agora_core.rpc.server_security import ServerSecurity
 from agora_core.rpc.streams import ServerStream
 from agora_core.rpc.transport import frames_nbytes
 from agora_core.rpc.types import Payload, Request, RpcConfig, Traffic
-from agora_core.wire import (
+from agora_core.wire.addresses import normalize_address
+from agora_core.wire.message import (
     Kind,
     Message,
     check_header,

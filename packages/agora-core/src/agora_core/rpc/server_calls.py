@@ -18,10 +18,10 @@ from agora_core.errors import (
     UnsupportedProtocolVersion,
     WireError,
 )
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.rpc.streams import ServerStream
 from agora_core.rpc.types import Payload
-from agora_core.wire import Kind, Message
+from agora_core.wire.message import Kind, Message
 
 log = get_logger("rpc.server")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc.types import Traffic
 
 

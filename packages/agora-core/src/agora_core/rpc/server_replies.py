@@ -10,7 +10,7 @@ from agora_core.errors import HandlerFailed, RpcError, WireError
 from agora_core.rpc.server_calls import error_message
 from agora_core.rpc.transport import SocketPump, frames_nbytes
 from agora_core.rpc.types import Traffic
-from agora_core.wire import Message, WireConfig, encode
+from agora_core.wire.message import Message, WireConfig, encode
 
 
 class ServerReplies:

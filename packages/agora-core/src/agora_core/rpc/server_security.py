@@ -16,7 +16,7 @@ from agora_core.auth.zap import zap_handler
 from agora_core.errors import RpcError
 from agora_core.rpc.server_calls import Handler
 from agora_core.rpc.transport import context
-from agora_core.wire import Kind, Message
+from agora_core.wire.message import Kind, Message
 
 _domains = itertools.count(1)  # one ZAP domain per secured server socket in the process
 

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agora_core import world
-from agora_core.dtypes import Tensor
 from agora_core.errors import DeadlineExceeded, StreamError
 from agora_core.rpc.types import Payload, Request
-from agora_core.wire import Kind, Message
+from agora_core.wire.dtypes import Tensor
+from agora_core.wire.message import Kind, Message
 
 SendMessage = Callable[[Message], Awaitable[None]]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from agora_core.dtypes import TaggedArray, Tensor, as_wire_array, is_tagged_only, itemsize, storage_dtype
 from agora_core.errors import BadRequest, LimitExceeded
 from agora_core.rpc.streams import StreamChannel
 from agora_core.rpc.types import Payload
+from agora_core.wire.dtypes import TaggedArray, Tensor, as_wire_array, is_tagged_only, itemsize, storage_dtype
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 

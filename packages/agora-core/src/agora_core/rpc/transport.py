@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from agora_core import world
-from agora_core.linkemu import DelayLine, LinkEmulator
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
+from agora_core.rpc.linkemu import DelayLine, LinkEmulator
 from agora_core.rpc.types import RpcConfig
 
 log = get_logger("rpc.transport")

@@ -7,8 +7,8 @@ from typing import Any
 
 from agora_core import world
 from agora_core.auth.peer_identity import PeerIdentity
-from agora_core.dtypes import Tensor
-from agora_core.wire import WireConfig
+from agora_core.wire.dtypes import Tensor
+from agora_core.wire.message import WireConfig
 
 
 @dataclass(kw_only=True, frozen=True)

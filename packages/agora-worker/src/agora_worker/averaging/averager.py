@@ -22,8 +22,8 @@ from agora_core.dht import DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.identity import NodeKey
 from agora_core.injection import NO_INJECTIONS, InjectionPoints
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.schema import WorkerAnnouncement, averaging_summary_key, parse_entries, stage_workers_key
 from agora_worker.averaging.allreduce import ReductionBoard, all_reduce

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agora_core import world
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_worker.averaging.matchmaking import Group
 
 log = get_logger("worker.averaging")

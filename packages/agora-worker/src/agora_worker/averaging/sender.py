@@ -17,7 +17,7 @@ from agora_core import world
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, RpcError
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_core.rpc import RpcClient
 from agora_worker.averaging.matchmaking import Group
 from agora_worker.averaging.reducer import SliceReduction, chunk_bounds

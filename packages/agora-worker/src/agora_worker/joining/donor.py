@@ -24,8 +24,8 @@ from agora_core.auth.access import only
 from agora_core.config.lifecycle import JoinConfig
 from agora_core.contract import Method
 from agora_core.errors import BadRequest, NotServing
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcServer
 from agora_worker.runtime import Runtime
 from agora_worker.state import StageState, StateSnapshot

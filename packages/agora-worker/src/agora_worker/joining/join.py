@@ -23,8 +23,8 @@ from agora_core.contract import Phase
 from agora_core.dht import DhtError, DhtNode
 from agora_core.errors import AgoraError, RpcError
 from agora_core.injection import NO_INJECTIONS, InjectionPoints
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
 from agora_core.schema import (
     StageProgress,

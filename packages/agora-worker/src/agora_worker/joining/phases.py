@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from agora_core.config.lifecycle import SyncConfig
 from agora_core.contract import Phase
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("worker.phases")
 

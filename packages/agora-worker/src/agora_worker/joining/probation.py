@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from agora_core.dht import DhtError
 from agora_core.errors import RpcError
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 from agora_worker.averaging.averager import RoundReport
 
 log = get_logger("worker.probation")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE
 from agora_core.contract import DepartureReason
-from agora_core.host import host_rss_bytes
+from agora_core.node.host import host_rss_bytes
 from agora_worker.averaging.averager import RoundReport
 
 MiB = 1 << 20

@@ -21,8 +21,8 @@ from agora_core.dht import DhtError, DhtNode
 from agora_core.dht.owned import OwnedEntry
 from agora_core.errors import RpcError
 from agora_core.identity import NodeKey
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.schema import WorkerDeparture, stage_departures_key
 from agora_worker.termination.rules import (
     AveragingFailures,

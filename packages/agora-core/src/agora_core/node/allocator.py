@@ -12,7 +12,7 @@ import ctypes.util
 import os
 import platform
 
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("core.allocator")
 

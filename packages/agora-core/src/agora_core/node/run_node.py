@@ -18,22 +18,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agora_core.addresses import normalize_address
 from agora_core.admission.credential import SignedCredential
 from agora_core.admission.revocations import Revocations
 from agora_core.auth import PeerVerifier
 from agora_core.auth.security import TransportSecurity, parse_peer_address
-from agora_core.codec import CompressionPolicy
 from agora_core.config import RunConfig
 from agora_core.config.run import TransportConfig
 from agora_core.dht import DhtNode, Validators
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
-from agora_core.linkemu import LinkEmulator
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcConfig, RpcServer
+from agora_core.rpc.linkemu import LinkEmulator
 from agora_core.schema import register_validators
-from agora_core.wire import WireConfig, WireLimits
+from agora_core.wire.addresses import normalize_address
+from agora_core.wire.codec import CompressionPolicy
+from agora_core.wire.message import WireConfig, WireLimits
 
 
 def rpc_config(transport: TransportConfig, **overrides: Any) -> RpcConfig:

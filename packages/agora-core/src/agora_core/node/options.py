@@ -15,10 +15,10 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from agora_core.allocator import tune_for_large_messages
 from agora_core.config import NodeSettings, RunConfig, load_run_config, resolve_settings
 from agora_core.errors import ConfigError
-from agora_core.logs import configure_logging
+from agora_core.node.allocator import tune_for_large_messages
+from agora_core.observability.logs import configure_logging
 
 S = TypeVar("S")
 NODE_OPTIONS = (
@@ -129,7 +129,7 @@ def launch_role(
 
 def prepare_process(node: NodeSettings) -> None:
     """Set up the process of a node that moves tensors: its logging, and malloc's thresholds
-    (chunk-sized buffers reused on the heap, not faulted in afresh; ``agora_core.allocator``).
+    (chunk-sized buffers reused on the heap, not faulted in afresh; ``agora_core.node.allocator``).
     Call it before the node starts threads."""
     configure_logging(fmt=node.log_format, level=node.log_level)
     tune_for_large_messages()

@@ -4,8 +4,8 @@ Every node owns a :class:`NodeMetrics`: a private registry (so many nodes can li
 process, as they do in tests) whose exported samples all carry ``role``, ``stage`` and
 ``instance`` labels. Components declare their metrics through it with only their own,
 low-cardinality labels. Operator nodes are scraped (:meth:`NodeMetrics.serve_http`);
-contributors behind NAT push to a gateway (``agora_core.metrics_push``); a role's command does
-either through ``agora_core.metrics_exposure``. Every node exports its process's resident
+contributors behind NAT push to a gateway (``agora_core.observability.metrics_push``); a role's command does
+either through ``agora_core.observability.metrics_exposure``. Every node exports its process's resident
 memory (``agora_host_rss_bytes``), read when collected.
 """
 
@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.metrics_core import Metric
 
-from agora_core.host import host_rss_bytes
+from agora_core.node.host import host_rss_bytes
 
 NODE_LABELS = ("role", "stage", "instance")
 

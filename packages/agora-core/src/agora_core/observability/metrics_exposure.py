@@ -4,14 +4,14 @@ both, or neither, as its :class:`NodeSettings` say.
 Every role's command (``agora dht serve``, ``agora-worker run``, ``agora-trainer run``,
 ``agora-authorizer serve``, the monitor) starts one after its node is built and closes it on the
 way out, saying whether the exit was clean: a clean exit deletes the node's group from the
-gateway, any other leaves its last values there for the alerts (``agora_core.metrics_push``).
+gateway, any other leaves its last values there for the alerts (``agora_core.observability.metrics_push``).
 """
 
 from __future__ import annotations
 
 from agora_core.config import NodeSettings
-from agora_core.metrics import MetricsEndpoint, NodeMetrics
-from agora_core.metrics_push import MetricsPusher
+from agora_core.observability.metrics import MetricsEndpoint, NodeMetrics
+from agora_core.observability.metrics_push import MetricsPusher
 
 
 class MetricsExposure:

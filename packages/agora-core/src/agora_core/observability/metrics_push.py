@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 
-from agora_core.logs import get_logger
-from agora_core.metrics import NodeMetrics
+from agora_core.observability.logs import get_logger
+from agora_core.observability.metrics import NodeMetrics
 
 log = get_logger("metrics.push")
 DEFAULT_JOB = "agora"

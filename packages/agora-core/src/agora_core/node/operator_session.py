@@ -23,8 +23,8 @@ from agora_core.admission.credential_file import load_credential
 from agora_core.config import RunConfig, load_run_config
 from agora_core.errors import AgoraError
 from agora_core.identity import NodeKey
-from agora_core.metrics import NodeMetrics
-from agora_core.run_node import RunNode
+from agora_core.node.run_node import RunNode
+from agora_core.observability.metrics import NodeMetrics
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agora_core import world
-from agora_core.logs import get_logger
+from agora_core.observability.logs import get_logger
 
 log = get_logger("linkemu")
 

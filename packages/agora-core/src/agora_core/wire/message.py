@@ -1,7 +1,7 @@
 """Agora wire format: multipart ``[header, *buffers]`` with a msgpack header.
 
 The format is specified in the agora-core README ("Wire format"); this module is its reference
-implementation for the message and its header, :mod:`agora_core.tensor_frames` for the tensors'
+implementation for the message and its header, :mod:`agora_core.wire.tensor_frames` for the tensors'
 descriptors and data frames. Decoding is strict and bounded: the header frame's length is
 checked before msgpack sees it, the header's schema and every declared size are checked against
 :class:`WireLimits` before a byte of tensor memory is allocated, and the frames must match the
@@ -19,10 +19,10 @@ from typing import Any
 
 import msgpack
 
-from agora_core.codec import CompressionPolicy
-from agora_core.dtypes import Tensor
 from agora_core.errors import LimitExceeded, MalformedMessage, UnsupportedProtocolVersion, WireError
-from agora_core.tensor_frames import decode_tensors, encode_tensors, exact_int
+from agora_core.wire.codec import CompressionPolicy
+from agora_core.wire.dtypes import Tensor
+from agora_core.wire.tensor_frames import decode_tensors, encode_tensors, exact_int
 
 # (major, minor): a different major is refused, minors interoperate. 2: stream items and ends
 # may carry credit (a 1.x peer would ignore it and stall).
@@ -103,7 +103,7 @@ class Message:
 
 def encode(message: Message, config: WireConfig) -> list[Any]:
     """Encode to ``[header, *buffers]``; the buffers are ``encode_tensors``' data frames (raw
-    chunks are not copied: see :mod:`agora_core.tensor_frames`)."""
+    chunks are not copied: see :mod:`agora_core.wire.tensor_frames`)."""
     limits = config.limits
     if message.tensors:
         descriptors, buffers = encode_tensors(message.tensors, config, compress=message.compress)

@@ -6,7 +6,7 @@ each raw or LZ4 (when that pays); each LZ4 chunk is a frame of its own and conse
 chunks share one. Raw frames are views of the sender's array, not copies. A receiver checks
 every descriptor against :class:`~agora_core.wire.WireLimits` and the frames it got before it
 allocates a byte; a single raw frame becomes the array without a copy. The header around the
-descriptors is :mod:`agora_core.wire`'s.
+descriptors is :mod:`agora_core.wire.message`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agora_core.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy, decode_lz4, encode_chunk
-from agora_core.dtypes import (
+from agora_core.errors import LimitExceeded, MalformedMessage, WireError
+from agora_core.wire.codec import CODEC_LZ4, CODEC_RAW, CompressionPolicy, decode_lz4, encode_chunk
+from agora_core.wire.dtypes import (
     TaggedArray,
     Tensor,
     as_wire_array,
@@ -27,10 +28,9 @@ from agora_core.dtypes import (
     itemsize,
     storage_dtype,
 )
-from agora_core.errors import LimitExceeded, MalformedMessage, WireError
 
 if TYPE_CHECKING:
-    from agora_core.wire import WireConfig, WireLimits
+    from agora_core.wire.message import WireConfig, WireLimits
 
 
 def exact_int(value: Any) -> bool:

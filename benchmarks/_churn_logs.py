@@ -13,8 +13,8 @@ from pathlib import Path
 
 from _churn_swarm import DrivenSwarm
 from agora_core.config import RunConfig
-from agora_trainer.cursor import reading_order
-from agora_trainer.shards import open_shards
+from agora_trainer.data.cursor import reading_order
+from agora_trainer.data.shards import open_shards
 
 
 def read_losses(path: Path) -> list[dict]:

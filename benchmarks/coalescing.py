@@ -35,7 +35,7 @@ from agora_core.observability.logs import configure_logging
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
-from agora_worker.compute import build_compute
+from agora_worker.serving.compute import build_compute
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 

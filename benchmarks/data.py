@@ -28,11 +28,11 @@ from pathlib import Path
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.observability.logs import configure_logging
-from agora_trainer.cursor import SampleCursor
-from agora_trainer.manifest import load_tokenizer
-from agora_trainer.sharding import TrainBpe, make_shards
-from agora_trainer.shards import open_shard_set
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.cursor import SampleCursor
+from agora_trainer.data.manifest import load_tokenizer
+from agora_trainer.data.sharding import TrainBpe, make_shards
+from agora_trainer.data.shards import open_shard_set
+from agora_trainer.data.tokenizer import ByteTokenizer
 from routing import run as routing_run
 
 SEQ_LEN = 128  # examples/tiny.toml's

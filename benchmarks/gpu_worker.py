@@ -48,9 +48,9 @@ from agora_core.identity import NodeKey
 from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
-from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.backend import StageBackend
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 

@@ -50,8 +50,8 @@ from _churn_swarm import stop_up
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_localswarm.cli import default_shards_dir
-from agora_trainer.cursor import reading_order
-from agora_trainer.shards import open_shard_set
+from agora_trainer.data.cursor import reading_order
+from agora_trainer.data.shards import open_shard_set
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM = str(ROOT / "tools" / "swarm.py")

@@ -33,8 +33,8 @@ from agora_core.identity import NodeKey
 from agora_core.observability.logs import configure_logging
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 FORWARD_S, BACKWARD_S = 0.005, 0.010

@@ -32,8 +32,8 @@ from agora_core.observability.logs import configure_logging
 from agora_core.rpc import Payload, RpcServer
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_devkit.processes import spawn_python
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 SCRIPT = str(Path(__file__).resolve())

@@ -32,14 +32,14 @@ from agora_model.export import (
     from_checkpoints,
     stage_candidates,
 )
-from agora_trainer.manifest import read_manifest, tokenizer_record
-from agora_trainer.shards import open_shards
-from agora_worker.checkpoint import CheckpointStore, find_manifests
+from agora_trainer.data.manifest import read_manifest, tokenizer_record
+from agora_trainer.data.shards import open_shards
 from agora_worker.model import ComposedModel, build_stage
 from agora_worker.model.export import read_model
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
 from agora_worker.settings import WorkerSettings
-from agora_worker.state import StageState, StateSnapshot
+from agora_worker.state.checkpoint import CheckpointStore, find_manifests
+from agora_worker.state.snapshot import StageState, StateSnapshot
 from agora_worker.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ from agora_devkit.authority import SMALL_MODEL
 from agora_devkit.authorizer import authorizer_process
 from agora_devkit.processes import ChildProcess, spawn_python, wait_until
 from agora_devkit.prometheus import PushGateway, check_metrics
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

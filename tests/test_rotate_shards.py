@@ -16,8 +16,8 @@ from agora_core.config import load_run_config
 from agora_core.identity import NodeKey
 from agora_devkit.processes import wait_until_async
 from agora_devkit.trainer import StandInSwarm
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "rotate_shards.py"

@@ -23,8 +23,8 @@ from agora_devkit.swarm import (
     first_samples,
     reference_losses,
 )
-from agora_trainer.held_out import validation_samples
-from agora_trainer.shards import open_shard_set
+from agora_trainer.data.held_out import validation_samples
+from agora_trainer.data.shards import open_shard_set
 from agora_worker.model.export import read_model
 from agora_worker.model.inference import WholeModel, held_out_loss
 

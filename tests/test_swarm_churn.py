@@ -22,7 +22,7 @@ from agora_devkit.swarm import (
     first_samples,
     process_running,
 )
-from agora_worker.checkpoint import CheckpointStore, find_manifests
+from agora_worker.state.checkpoint import CheckpointStore, find_manifests
 
 pytestmark = pytest.mark.slow
 

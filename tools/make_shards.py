@@ -3,7 +3,7 @@
 
 import sys
 
-from agora_trainer.shards_cli import main
+from agora_trainer.data.shards_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

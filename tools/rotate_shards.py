@@ -5,7 +5,7 @@ python tools/rotate_shards.py --run-dir runs/latest set --trainer trainer-0=4-7 
 python tools/rotate_shards.py --run-dir runs/latest show
 """
 
-from agora_trainer.rotation_cli import rotate_shards
+from agora_trainer.data.rotation_cli import rotate_shards
 
 if __name__ == "__main__":
     rotate_shards()

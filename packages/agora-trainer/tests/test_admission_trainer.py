@@ -31,8 +31,8 @@ from agora_devkit.authorizer import (
     write_run,
 )
 from agora_devkit.processes import ChildProcess, spawn_python, wait_until_async
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 pytestmark = pytest.mark.slow

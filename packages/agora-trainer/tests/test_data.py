@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from agora_core.config import parse_run_config
-from agora_trainer.bpe import train_bpe
-from agora_trainer.cursor import SampleCursor
-from agora_trainer.errors import ShardCorrupt, ShardError, TokenizerError
-from agora_trainer.held_out import bits_per_byte, label_bytes, validation_samples
-from agora_trainer.manifest import (
+from agora_trainer.data.bpe import train_bpe
+from agora_trainer.data.cursor import SampleCursor
+from agora_trainer.data.held_out import bits_per_byte, label_bytes, validation_samples
+from agora_trainer.data.manifest import (
     MANIFEST,
     check_model_tokenizer,
     check_run_tokenizer,
@@ -21,9 +20,10 @@ from agora_trainer.manifest import (
     read_manifest,
     tokenizer_record,
 )
-from agora_trainer.sharding import make_shards
-from agora_trainer.shards import SEPARATOR, open_shard_set, open_shards
-from agora_trainer.tokenizer import ByteTokenizer, JsonTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.shards import SEPARATOR, open_shard_set, open_shards
+from agora_trainer.data.tokenizer import ByteTokenizer, JsonTokenizer
+from agora_trainer.errors import ShardCorrupt, ShardError, TokenizerError
 
 UNICODE = "def f(x):\n    return x ** 2  # ünïcode ✓ \U0001d518 <|endoftext|>\n"
 

@@ -22,8 +22,8 @@ from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
 from agora_devkit.processes import wait_until_async
 from agora_devkit.trainer import StandInSwarm
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 
 OPERATOR = NodeKey.generate()
 K = 4  # the boundary width

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agora_trainer.data.manifest import load_tokenizer, read_manifest
+from agora_trainer.data.sharding import TrainBpe, is_validation, make_shards
+from agora_trainer.data.shards import open_shard_set
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.errors import CorpusError
-from agora_trainer.manifest import load_tokenizer, read_manifest
-from agora_trainer.sharding import TrainBpe, is_validation, make_shards
-from agora_trainer.shards import open_shard_set
-from agora_trainer.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 WORDS = "the a shard token model swarm stage worker trainer gradient average loss byte merge über ✓".split()

@@ -18,10 +18,10 @@ REPEATED_RUNS = textwrap.dedent(
     f"""
     import sys, tempfile, time
     from pathlib import Path
-    from agora_trainer.manifest import load_tokenizer
-    from agora_trainer.sharding import TrainBpe, make_shards
-    from agora_trainer.shards import open_shard_set
-    from agora_trainer.tokenizer import ByteTokenizer
+    from agora_trainer.data.manifest import load_tokenizer
+    from agora_trainer.data.sharding import TrainBpe, make_shards
+    from agora_trainer.data.shards import open_shard_set
+    from agora_trainer.data.tokenizer import ByteTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -53,8 +53,8 @@ KILLED_WORKER = textwrap.dedent(
     """
     import multiprocessing, os, signal, tempfile
     from agora_trainer.errors import ShardError
-    from agora_trainer.sharding import make_shards
-    from agora_trainer.tokenizer import ByteTokenizer
+    from agora_trainer.data.sharding import make_shards
+    from agora_trainer.data.tokenizer import ByteTokenizer
 
     def kill_a_worker(*_):
         workers = multiprocessing.active_children()

@@ -11,8 +11,8 @@ from agora_core.config import parse_run_config
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.schema import trainer_progress_key
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 RUN = parse_run_config(

@@ -20,18 +20,18 @@ from agora_core.config.run import DhtConfig, ModelConfig
 from agora_core.identity import NodeKey
 from agora_devkit.processes import wait_until_async
 from agora_devkit.trainer import StandInSwarm
-from agora_trainer.cursor import SampleCursor
-from agora_trainer.errors import ShardError
-from agora_trainer.rotation_record import (
+from agora_trainer.data.cursor import SampleCursor
+from agora_trainer.data.rotation_record import (
     RotationError,
     format_ranges,
     new_assignment,
     parse_ranges,
     publish_assignment,
 )
-from agora_trainer.sharding import make_shards
-from agora_trainer.shards import open_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.shards import open_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
+from agora_trainer.errors import ShardError
 from agora_trainer.trainer import Trainer
 
 SEQ = 8

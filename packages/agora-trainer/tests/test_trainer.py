@@ -25,10 +25,10 @@ from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import ChildProcess, poll_until, spawn_python, wait_until_async
-from agora_trainer.cursor import reading_order
-from agora_trainer.sharding import make_shards
-from agora_trainer.shards import open_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.cursor import reading_order
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.shards import open_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 RUN_TOML = """

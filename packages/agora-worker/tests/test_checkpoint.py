@@ -17,18 +17,18 @@ from agora_core.config import RunConfig
 from agora_core.config.run import ModelConfig, OptimizerConfig, parse_run_config
 from agora_core.observability.metrics import NodeMetrics
 from agora_devkit.processes import wait_until_async
-from agora_worker import checkpoint as checkpoint_module
-from agora_worker.checkpoint import (
+from agora_worker.model import build_stage
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.state import checkpoint as checkpoint_module
+from agora_worker.state.checkpoint import (
     CheckpointInvalid,
     CheckpointStore,
     config_digest,
     find_manifests,
     read_manifest,
 )
-from agora_worker.checkpoint_writer import CheckpointWriter
-from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
-from agora_worker.state import StageState, StateSnapshot
+from agora_worker.state.checkpoint_writer import CheckpointWriter
+from agora_worker.state.snapshot import StageState, StateSnapshot
 
 MODEL = ModelConfig(
     d_model=32, n_heads=2, mlp_ratio=2.0, subspace_rank=4, vocab_size=256, seq_len=8, stage_layers=(1, 1, 1)

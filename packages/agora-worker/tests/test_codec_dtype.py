@@ -17,11 +17,11 @@ from agora_core.config.run import DhtConfig, ModelConfig, TransportConfig
 from agora_core.errors import ConfigError
 from agora_core.wire.dtypes import TaggedArray
 from agora_devkit.worker import train_one_pass
-from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.backend import StageBackend
+from agora_worker.serving.tensors import activations, split_samples
 from agora_worker.settings import WorkerSettings
-from agora_worker.tensors import activations, split_samples
 
 DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0)
 MODEL = ModelConfig(

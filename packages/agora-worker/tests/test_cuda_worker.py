@@ -13,11 +13,11 @@ import torch
 from agora_core.config import OptimizerConfig, RunConfig
 from agora_core.config.run import ModelConfig
 from agora_core.observability.metrics import NodeMetrics
-from agora_worker import transfers
-from agora_worker.backend import StageBackend
-from agora_worker.compute import build_compute
 from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer import transfers
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.backend import StageBackend
+from agora_worker.serving.compute import build_compute
 from agora_worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

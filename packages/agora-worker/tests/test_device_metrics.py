@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agora_core.observability.metrics import NodeMetrics
-from agora_worker.device_metrics import export_device_memory
+from agora_worker.serving.device_metrics import export_device_memory
 
 NAMES = ("allocated", "reserved", "peak", "total")
 

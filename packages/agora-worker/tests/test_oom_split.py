@@ -16,9 +16,9 @@ from torch import nn
 from agora_core.config import OptimizerConfig
 from agora_core.contract import StageRole
 from agora_devkit.processes import wait_until_async
-from agora_worker.backend import StageBackend
-from agora_worker.optimizer import HostOptimizer
-from agora_worker.runtime import Op, Runtime
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.backend import StageBackend
+from agora_worker.serving.runtime import Op, Runtime
 
 K, T = 4, 3
 

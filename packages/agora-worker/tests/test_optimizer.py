@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from agora_core.config import ClippingConfig, OptimizerConfig
-from agora_worker.optimizer import HostOptimizer, adam_ratio_bound, learning_rate
+from agora_worker.optimizer.host import HostOptimizer, adam_ratio_bound, learning_rate
 
 CONFIG = OptimizerConfig(lr=1e-2, min_lr_ratio=0.1, warmup_steps=10, total_steps=110, target_batch_size=4)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agora_devkit.processes import wait_until_async
-from agora_worker.runtime import Op, Runtime
+from agora_worker.serving.runtime import Op, Runtime
 
 
 class GatedBackend:

@@ -9,7 +9,7 @@ import pytest
 
 from agora_core import world
 from agora_sim import Simulation
-from agora_worker.runtime import Op, Runtime
+from agora_worker.serving.runtime import Op, Runtime
 
 PER_BATCH_S = 0.010
 PER_SAMPLE_S = 0.001

@@ -16,12 +16,12 @@ from agora_core.config.run import ModelConfig
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
-from agora_worker.backend import StageBackend
 from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.optimizer.transfers import bucket_indices
+from agora_worker.serving.backend import StageBackend
 from agora_worker.settings import WorkerSettings
-from agora_worker.state import StageState
-from agora_worker.transfers import bucket_indices
+from agora_worker.state.snapshot import StageState
 from agora_worker.worker import Worker
 
 MODEL = ModelConfig(

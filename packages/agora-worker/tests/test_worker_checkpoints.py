@@ -21,10 +21,10 @@ from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
 from agora_devkit.processes import spawn_python, wait_until, wait_until_async
-from agora_worker.checkpoint import CheckpointStore, find_manifests
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings
-from agora_worker.state import StateSnapshot
+from agora_worker.state.checkpoint import CheckpointStore, find_manifests
+from agora_worker.state.snapshot import StateSnapshot
 from agora_worker.worker import Worker
 
 STARTUP_S = 90  # torch imports on a busy machine

@@ -25,8 +25,8 @@ from agora_devkit.processes import wait_until
 from agora_localswarm import checkout
 from agora_localswarm.processes import SwarmFile
 from agora_localswarm.status import light_member
-from agora_trainer.cursor import reading_order
-from agora_trainer.shards import open_shard_set
+from agora_trainer.data.cursor import reading_order
+from agora_trainer.data.shards import open_shard_set
 
 ROOT = checkout.root()
 SWARM = str(ROOT / "tools" / "swarm.py")

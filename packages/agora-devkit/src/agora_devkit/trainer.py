@@ -42,7 +42,7 @@ class StandInStage:
     def backward(self, request) -> Payload:
         grad = request.tensors["grad"]
         self.grads.append(grad)
-        if not np.isfinite(grad).all():  # a worker's input check (agora_worker.tensors)
+        if not np.isfinite(grad).all():  # a worker's input check (agora_worker.serving.tensors)
             raise BadRequest("'grad' holds NaN or infinite values")
         return Payload()
 

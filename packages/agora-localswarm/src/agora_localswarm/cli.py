@@ -75,11 +75,11 @@ from agora_localswarm.processes import (
 )
 from agora_localswarm.results import export_and_evaluate, report_efficiency
 from agora_localswarm.status import describe_swarm, summarize, watch
+from agora_trainer.data.manifest import check_run_tokenizer, read_manifest
+from agora_trainer.data.rotation_record import format_ranges
+from agora_trainer.data.shards import open_shard_set
+from agora_trainer.data.tokenizer import digest
 from agora_trainer.errors import DataError
-from agora_trainer.manifest import check_run_tokenizer, read_manifest
-from agora_trainer.rotation_record import format_ranges
-from agora_trainer.shards import open_shard_set
-from agora_trainer.tokenizer import digest
 
 # Documents held out for the final held-out loss: on 8 MB of the standard library, some 25
 # files. Fewer let one codec table or file of numbers dominate the held-out tokens.

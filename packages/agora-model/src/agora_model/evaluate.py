@@ -28,9 +28,9 @@ import click
 import numpy as np
 
 from agora_core.errors import AgoraError
-from agora_trainer.held_out import bits_per_byte, label_bytes, validation_samples
-from agora_trainer.manifest import check_model_tokenizer, check_run_tokenizer, load_tokenizer
-from agora_trainer.shards import open_shard_set
+from agora_trainer.data.held_out import bits_per_byte, label_bytes, validation_samples
+from agora_trainer.data.manifest import check_model_tokenizer, check_run_tokenizer, load_tokenizer
+from agora_trainer.data.shards import open_shard_set
 from agora_worker.model.export import read_model
 from agora_worker.model.inference import WholeModel, generate, held_out_loss
 

@@ -53,8 +53,7 @@ from agora_core.schema import (
     stage_progress_key,
     stage_workers_key,
 )
-from agora_trainer.manifest import check_run_tokenizer, read_manifest, tokenizer_record
-from agora_worker.checkpoint import CheckpointInvalid, Manifest, find_manifests, load_checkpoint
+from agora_trainer.data.manifest import check_run_tokenizer, read_manifest, tokenizer_record
 from agora_worker.joining import StateDownloadFailed, download_state
 from agora_worker.model.export import (
     ExportedModel,
@@ -63,7 +62,8 @@ from agora_worker.model.export import (
     weights_from_snapshot,
     write_model,
 )
-from agora_worker.state import PARAM_PREFIX, StateMismatch, StateSnapshot, TensorSpec
+from agora_worker.state.checkpoint import CheckpointInvalid, Manifest, find_manifests, load_checkpoint
+from agora_worker.state.snapshot import PARAM_PREFIX, StateMismatch, StateSnapshot, TensorSpec
 
 
 class ExportFailed(AgoraError):

@@ -28,13 +28,13 @@ import torch
 
 from agora_core.config import load_run_config
 from agora_core.errors import ConfigError
-from agora_trainer.cursor import SampleCursor
+from agora_trainer.data.cursor import SampleCursor
+from agora_trainer.data.manifest import check_run_tokenizer, tokenizer_record
+from agora_trainer.data.shards import open_shard_set
 from agora_trainer.errors import DataError, ShardError
-from agora_trainer.manifest import check_run_tokenizer, tokenizer_record
-from agora_trainer.shards import open_shard_set
 from agora_worker.model import build_stage
 from agora_worker.model.export import ExportedModel, weights_from_module, write_model
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
 
 
 class ReferenceModel:

@@ -57,8 +57,8 @@ from agora_sim.swarm_faults import Disturbances, SwarmFaults, check_settled, com
 from agora_sim.swarm_nodes import OpenNodes
 from agora_sim.swarm_summary import swarm_summary
 from agora_sim.swarm_trainers import SwarmTrainers
-from agora_trainer.sharding import make_shards
-from agora_trainer.tokenizer import ByteTokenizer
+from agora_trainer.data.sharding import make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker

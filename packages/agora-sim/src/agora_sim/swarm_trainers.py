@@ -4,7 +4,7 @@ A trainer crash (``[swarm] trainer_crashes_per_min``) kills the trainer's proces
 is: lanes mid call, a completion half recorded, a shard claim half published. After
 ``trainer_restart_s`` it comes back as an operator's supervisor brings it back: the same key
 (the same node id rejoins the DHT), the same state file and loss log, a new process on a new
-host. What must hold is what the trainer promises (``agora_trainer.cursor``): the restart
+host. What must hold is what the trainer promises (``agora_trainer.data.cursor``): the restart
 repeats no completed sample and skips none. Each sample a crashed incarnation held (in
 flight, or handed back to run again) is completed afterwards by a trainer of the run, or still
 held by one (its shard open there, the sample not done) when the run ends.

@@ -23,8 +23,9 @@ from agora_core.node.options import (
 from agora_core.node.run_node import RunNode
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.observability.metrics_exposure import MetricsExposure
-from agora_trainer import __version__, shards_cli
-from agora_trainer.rotation_cli import rotate_shards
+from agora_trainer import __version__
+from agora_trainer.data import shards_cli
+from agora_trainer.data.rotation_cli import rotate_shards
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 

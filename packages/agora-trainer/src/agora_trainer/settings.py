@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agora_core.config import require
-from agora_trainer.rotation_record import parse_ranges
+from agora_trainer.data.rotation_record import parse_ranges
 from agora_trainer.witness import DISTRUST_S, OUTLIER_RATIO
 
 

@@ -40,13 +40,13 @@ from agora_core.schema import (
     trainer_progress_key,
 )
 from agora_trainer.balancer import StageBalancer
-from agora_trainer.cursor import Sample, SampleCursor
-from agora_trainer.manifest import check_run_tokenizer
-from agora_trainer.rotation import ShardRotation
-from agora_trainer.rotation_record import longest_ttl_s
+from agora_trainer.data.cursor import Sample, SampleCursor
+from agora_trainer.data.manifest import check_run_tokenizer
+from agora_trainer.data.rotation import ShardRotation
+from agora_trainer.data.rotation_record import longest_ttl_s
+from agora_trainer.data.shards import open_shard_set
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
 from agora_trainer.settings import TrainerSettings
-from agora_trainer.shards import open_shard_set
 from agora_trainer.witness import WitnessConfig
 
 log = get_logger("trainer")

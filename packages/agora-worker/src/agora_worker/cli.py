@@ -26,7 +26,7 @@ from agora_core.observability.metrics import NodeMetrics
 from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_worker import __version__
 from agora_worker.admission import admit, worker_admission
-from agora_worker.backend import pick_device
+from agora_worker.serving.backend import pick_device
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
 

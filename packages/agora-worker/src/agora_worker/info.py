@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from agora_core import world
 from agora_worker import __version__
-from agora_worker.compute import transfer_info
-from agora_worker.device_metrics import device_memory_info
+from agora_worker.serving.compute import transfer_info
+from agora_worker.serving.device_metrics import device_memory_info
 
 if TYPE_CHECKING:
     from agora_worker.worker import Worker

@@ -18,7 +18,7 @@ CPU_BATCH_SAMPLES = 32
 class WorkerSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # Largest coalesced microbatch; None: on CUDA, sized from the free device memory measured
-    # after warm-up microbatches (agora_worker.memory); on a CPU, CPU_BATCH_SAMPLES.
+    # after warm-up microbatches (agora_worker.serving.memory); on a CPU, CPU_BATCH_SAMPLES.
     max_batch_samples: int | None = None
     max_batch_tokens: int | None = None  # default: max_batch_samples * seq_len
     # how often a busy worker decides between the wake-ups of landed backwards and pushes

@@ -32,18 +32,18 @@ from agora_worker import __version__
 from agora_worker.announce import Announcer
 from agora_worker.averaging import Averager
 from agora_worker.averaging.averager import RoundReport
-from agora_worker.checkpoint import CheckpointStore
-from agora_worker.checkpoint_writer import CheckpointWriter
-from agora_worker.compute import build_compute
 from agora_worker.info import worker_info
 from agora_worker.injections import watcher_for
 from agora_worker.joining import Joiner, JoinOutcome, JoinProbation, PhaseTracker, StateDonor
-from agora_worker.optimizer import StepReport
-from agora_worker.pipeline import PipelineService
+from agora_worker.optimizer.host import StepReport
 from agora_worker.progress import StageProgressTracker
-from agora_worker.runtime import Runtime
+from agora_worker.serving.compute import build_compute
+from agora_worker.serving.pipeline import PipelineService
+from agora_worker.serving.runtime import Runtime
 from agora_worker.settings import WorkerSettings
-from agora_worker.state import StageState
+from agora_worker.state.checkpoint import CheckpointStore
+from agora_worker.state.checkpoint_writer import CheckpointWriter
+from agora_worker.state.snapshot import StageState
 from agora_worker.termination import watchdog_for
 
 log = get_logger("worker")

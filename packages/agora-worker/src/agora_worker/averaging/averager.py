@@ -29,8 +29,8 @@ from agora_core.schema import WorkerAnnouncement, averaging_summary_key, parse_e
 from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
-from agora_worker.optimizer import HostOptimizer
-from agora_worker.runtime import Runtime
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.runtime import Runtime
 
 log = get_logger("worker.averaging")
 

@@ -27,8 +27,8 @@ from agora_core.errors import BadRequest, NotServing
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request, RpcServer
-from agora_worker.runtime import Runtime
-from agora_worker.state import StageState, StateSnapshot
+from agora_worker.serving.runtime import Runtime
+from agora_worker.state.snapshot import StageState, StateSnapshot
 
 log = get_logger("worker.donor")
 

@@ -37,7 +37,7 @@ from agora_core.errors import AgoraError, RpcError
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.observability.logs import get_logger
 from agora_core.rpc import RpcClient
-from agora_worker.state import PARAM_PREFIX, StateSnapshot, TensorSpec, tensor_digest
+from agora_worker.state.snapshot import PARAM_PREFIX, StateSnapshot, TensorSpec, tensor_digest
 
 log = get_logger("worker.download")
 

@@ -35,8 +35,8 @@ from agora_core.schema import (
 )
 from agora_worker.joining.download import DownloadProgress, StateDownloadFailed, download_state
 from agora_worker.joining.phases import PhaseTracker
-from agora_worker.runtime import Runtime
-from agora_worker.state import StageState, StateMismatch, StateSnapshot
+from agora_worker.serving.runtime import Runtime
+from agora_worker.state.snapshot import StageState, StateMismatch, StateSnapshot
 
 log = get_logger("worker.join")
 

@@ -29,7 +29,7 @@ from agora_core.config import RunConfig, parse_run_config
 from agora_core.config.dump import dump_toml
 from agora_core.errors import AgoraError, ConfigError
 from agora_worker.model.build import build_stage
-from agora_worker.state import PARAM_PREFIX, StateSnapshot, TensorSpec
+from agora_worker.state.snapshot import PARAM_PREFIX, StateSnapshot, TensorSpec
 
 FORMAT = "agora-model-v1"
 _KEY = re.compile(r"stage(\d+)/(.+)")

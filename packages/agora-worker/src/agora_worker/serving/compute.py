@@ -19,13 +19,13 @@ from torch import nn
 from agora_core.config import RunConfig
 from agora_core.errors import ConfigError
 from agora_core.observability.metrics import NodeMetrics
-from agora_worker.backend import BOUNDARY_DTYPES, StageBackend, pick_device
-from agora_worker.device_metrics import export_device_memory
-from agora_worker.memory import measure_batch_limit
 from agora_worker.model import build_stage
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.optimizer.transfers import TransferEngine
+from agora_worker.serving.backend import BOUNDARY_DTYPES, StageBackend, pick_device
+from agora_worker.serving.device_metrics import export_device_memory
+from agora_worker.serving.memory import measure_batch_limit
 from agora_worker.settings import WorkerSettings, batch_limits
-from agora_worker.transfers import TransferEngine
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # WorkerSettings.compute_weights
 

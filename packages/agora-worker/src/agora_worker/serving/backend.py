@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import nn
 
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
 
 
 def pick_device(name: str) -> torch.device:

@@ -36,9 +36,9 @@ import click
 from agora_core.identity import NodeKey
 from agora_core.node.operator_session import operator_options, resolve, run_or_exit
 from agora_core.observability.logs import configure_logging
-from agora_trainer.manifest import read_manifest
-from agora_trainer.rotation import shard_claims_key
-from agora_trainer.rotation_record import (
+from agora_trainer.data.manifest import read_manifest
+from agora_trainer.data.rotation import shard_claims_key
+from agora_trainer.data.rotation_record import (
     DEFAULT_HANDOVER_S,
     RotationError,
     ShardAssignment,

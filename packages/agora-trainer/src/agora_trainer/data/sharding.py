@@ -1,7 +1,7 @@
 """Any corpus into a verified shard set: dedup, a held-out split, parallel tokenizing, a manifest.
 
-``make_shards`` reads the corpus as jobs (``agora_trainer.corpus``), tokenizes them in worker
-processes (``agora_trainer.tokenize_jobs``) and, in the main process, in corpus order:
+``make_shards`` reads the corpus as jobs (``agora_trainer.data.corpus``), tokenizes them in worker
+processes (``agora_trainer.data.tokenize_jobs``) and, in the main process, in corpus order:
 
 * drops a document whose text equals an earlier one's (exact duplicates, by digest);
 * holds out every ``1 / validation_fraction``-th remaining document, evenly spread, for the
@@ -28,13 +28,13 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
-from agora_trainer.bpe import train_bpe
-from agora_trainer.corpus import BATCH_BYTES, Job, corpus_files, corpus_jobs, default_corpus, input_bytes
+from agora_trainer.data.bpe import train_bpe
+from agora_trainer.data.corpus import BATCH_BYTES, Job, corpus_files, corpus_jobs, default_corpus, input_bytes
+from agora_trainer.data.manifest import MANIFEST, Manifest, tokenizer_entry, write_manifest
+from agora_trainer.data.shards import ShardWriter
+from agora_trainer.data.tokenize_jobs import JobResult, run_job, start_worker, tokenize_job
+from agora_trainer.data.tokenizer import Tokenizer
 from agora_trainer.errors import ShardError
-from agora_trainer.manifest import MANIFEST, Manifest, tokenizer_entry, write_manifest
-from agora_trainer.shards import ShardWriter
-from agora_trainer.tokenize_jobs import JobResult, run_job, start_worker, tokenize_job
-from agora_trainer.tokenizer import Tokenizer
 
 PARALLELISM = "TOKENIZERS_PARALLELISM"  # the tokenizers library's switch for its own threads
 # A job is one corpus batch: seconds of work even on a loaded host. Only a stuck worker

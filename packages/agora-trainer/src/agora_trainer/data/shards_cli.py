@@ -29,10 +29,10 @@ from pathlib import Path
 
 from agora_core.config import load_run_config
 from agora_core.errors import AgoraError
-from agora_trainer.corpus import default_corpus
-from agora_trainer.progress import ProgressBar
-from agora_trainer.sharding import TrainBpe, make_shards
-from agora_trainer.tokenizer import ByteTokenizer, JsonTokenizer
+from agora_trainer.data.corpus import default_corpus
+from agora_trainer.data.progress import ProgressBar
+from agora_trainer.data.sharding import TrainBpe, make_shards
+from agora_trainer.data.tokenizer import ByteTokenizer, JsonTokenizer
 
 DEFAULT_VOCAB = 512  # examples/tiny.toml's: see its [data] section for why
 

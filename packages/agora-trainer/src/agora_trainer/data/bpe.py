@@ -15,8 +15,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from agora_core.config.run import BPE_MIN_VOCAB
+from agora_trainer.data.tokenizer import JsonTokenizer
 from agora_trainer.errors import TokenizerError
-from agora_trainer.tokenizer import JsonTokenizer
 
 SEPARATOR_TOKEN = "<|endoftext|>"
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agora_core.config import DataConfig
+from agora_trainer.data.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, digest
 from agora_trainer.errors import ShardError, TokenizerError
-from agora_trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer, digest
 
 FORMAT = "agora-shards-v2"
 MANIFEST = "manifest.json"

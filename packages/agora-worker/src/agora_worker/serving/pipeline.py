@@ -20,8 +20,8 @@ from agora_core.errors import BadRequest, NotServing, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.rpc import Payload, Request, RpcServer
 from agora_core.wire.dtypes import Tensor
-from agora_worker.runtime import Op, Runtime
-from agora_worker.tensors import activations, token_ids
+from agora_worker.serving.runtime import Op, Runtime
+from agora_worker.serving.tensors import activations, token_ids
 
 
 class PipelineService:

@@ -2,7 +2,7 @@
 
 Two kinds, one interface. ``ByteTokenizer`` needs nothing: 256 ids, every text representable.
 ``JsonTokenizer`` wraps the ``tokenizers`` library (Rust, no torch) around a tokenizer.json,
-either one a user brings (kind ``file``) or the byte-level BPE that ``agora_trainer.bpe``
+either one a user brings (kind ``file``) or the byte-level BPE that ``agora_trainer.data.bpe``
 trains on the run's corpus (kind ``bpe``). Either way each document ends with a separator id,
 and every id knows how many UTF-8 bytes of text it stands for, so a loss per token converts
 to bits per byte, which compares across tokenizers.

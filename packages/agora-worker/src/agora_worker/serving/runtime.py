@@ -37,8 +37,8 @@ from agora_core import world
 from agora_core.injection import Slowdown
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
-from agora_worker.backend import StageBackend
-from agora_worker.tensors import split_samples
+from agora_worker.serving.backend import StageBackend
+from agora_worker.serving.tensors import split_samples
 
 log = get_logger("worker.runtime")
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from agora_core.errors import AgoraError
-from agora_worker.optimizer import HostOptimizer
+from agora_worker.optimizer.host import HostOptimizer
 
 PARAM_PREFIX = "param/"
 ADAM_FIELDS = ("exp_avg", "exp_avg_sq", "step")

@@ -1,7 +1,7 @@
 """Where a trainer is in its shards, kept on disk so a restart neither repeats nor skips.
 
 A trainer reads the shards assigned to it (all of them, ``--shard-ranges``, or the operator's
-signed assignment: ``agora_trainer.rotation``), one shard at a time, in an order drawn from
+signed assignment: ``agora_trainer.data.rotation``), one shard at a time, in an order drawn from
 ``data.shuffle_seed`` and the epoch; within a shard, samples come in their own shuffled order
 (``shard_progress``). It moves to another shard only at a shard's end, so a new assignment
 takes effect at the next shard boundary, never mid-shard. Each open shard's progress (a
@@ -31,10 +31,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from agora_core import world
-from agora_trainer.cursor_journal import COMPACT_EVERY, CompletionJournal
+from agora_trainer.data.cursor_journal import COMPACT_EVERY, CompletionJournal
+from agora_trainer.data.shard_progress import ShardProgress
+from agora_trainer.data.shards import Shard
 from agora_trainer.errors import ShardError
-from agora_trainer.shard_progress import ShardProgress
-from agora_trainer.shards import Shard
 
 STATE_FORMAT = "agora-trainer-cursor-v3"
 

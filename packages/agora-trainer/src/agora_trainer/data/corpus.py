@@ -8,7 +8,7 @@ Text files are shuffled by ``seed`` (a folder's files come in no meaningful orde
 keep their order.
 
 The corpus is read as a sequence of ``Job``s, batches of about ``batch_bytes`` of raw input,
-each turned into documents by ``agora_trainer.tokenize_jobs`` in a worker process: this module
+each turned into documents by ``agora_trainer.data.tokenize_jobs`` in a worker process: this module
 only reads bytes, so the main process stays free to write shards.
 """
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from agora_core import world
 from agora_core.config.run import OptimizerConfig
-from agora_worker.transfers import BUCKET_BYTES, TransferEngine
+from agora_worker.optimizer.transfers import BUCKET_BYTES, TransferEngine
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
+from agora_trainer.data.shards import ShardSet
 from agora_trainer.errors import ShardError
-from agora_trainer.shards import ShardSet
 
 
 def validation_samples(shard_set: ShardSet, seq_len: int, count: int) -> np.ndarray:

@@ -42,7 +42,7 @@ from agora_core.config import RunConfig
 from agora_core.config.dump import dump_toml
 from agora_core.errors import AgoraError
 from agora_core.observability.logs import get_logger
-from agora_worker.state import StateMismatch, StateSnapshot, tensor_digest
+from agora_worker.state.snapshot import StateMismatch, StateSnapshot, tensor_digest
 
 FORMAT = "agora-checkpoint-v1"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists digests, not tensors: anything larger is not one

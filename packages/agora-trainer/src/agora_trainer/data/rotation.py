@@ -35,8 +35,13 @@ from agora_core.injection.operators import OperatorKeys
 from agora_core.injection.record import InjectionRejected
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
-from agora_trainer.cursor import SampleCursor
-from agora_trainer.rotation_record import RotationError, ShardAssignment, format_ranges, shard_assignment_key
+from agora_trainer.data.cursor import SampleCursor
+from agora_trainer.data.rotation_record import (
+    RotationError,
+    ShardAssignment,
+    format_ranges,
+    shard_assignment_key,
+)
 
 log = get_logger("rotation")
 

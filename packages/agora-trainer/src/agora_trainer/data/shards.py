@@ -1,7 +1,7 @@
 """Data shards: packed token ids on disk, memory-mapped, verified against their manifest.
 
 A shard's ``<name>.tokens`` holds token ids back to back (little-endian, the smallest
-unsigned dtype the vocabulary fits); ``manifest.json`` beside it (``agora_trainer.manifest``)
+unsigned dtype the vocabulary fits); ``manifest.json`` beside it (``agora_trainer.data.manifest``)
 says which tokenizer made them, and each shard's split, counts and BLAKE2b digest. Opening a
 shard set checks every shard it opens against its size and digest, so a shard that was
 altered, truncated or swapped is refused, by name, before any of it is trained on.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from agora_trainer.data.manifest import Manifest, ShardEntry, TokenizerEntry, read_manifest
 from agora_trainer.errors import ShardCorrupt, ShardError
-from agora_trainer.manifest import Manifest, ShardEntry, TokenizerEntry, read_manifest
 
 __all__ = [
     "SEPARATOR",

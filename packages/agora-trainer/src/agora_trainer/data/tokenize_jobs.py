@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agora_trainer.corpus import Job
+from agora_trainer.data.corpus import Job
+from agora_trainer.data.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from agora_trainer.errors import CorpusError
-from agora_trainer.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 from agora_core.contract import StageRole
 from agora_core.observability.logs import get_logger
-from agora_worker.backend import StageBackend
+from agora_worker.serving.backend import StageBackend
 
 log = get_logger("worker.memory")
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from agora_core import world
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
-from agora_worker.checkpoint import CheckpointStore
-from agora_worker.state import StateSnapshot
+from agora_worker.state.checkpoint import CheckpointStore
+from agora_worker.state.snapshot import StateSnapshot
 
 log = get_logger("worker.checkpoint")
 

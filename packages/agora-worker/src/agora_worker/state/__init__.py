@@ -1,0 +1,1 @@
+"""A replica's stage state: its named host tensors, and the checkpoints that keep them."""

@@ -15,7 +15,7 @@ from agora_core.identity import NodeKey
 from agora_core.schema import WorkerAnnouncement, averaging_round_key, stage_progress_key, stage_workers_key
 from agora_worker.announce import Announcer
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
-from agora_worker.progress import StageProgressTracker
+from agora_worker.progress.tracker import StageProgressTracker
 
 TTL_S = 9.0  # none of the old lifetimes (3 x interval, 10 x interval, 3 x window, ...)
 

@@ -36,7 +36,7 @@ from agora_worker.info import worker_info
 from agora_worker.injections import watcher_for
 from agora_worker.joining import Joiner, JoinOutcome, JoinProbation, PhaseTracker, StateDonor
 from agora_worker.optimizer.host import StepReport
-from agora_worker.progress import StageProgressTracker
+from agora_worker.progress.tracker import StageProgressTracker
 from agora_worker.serving.compute import build_compute
 from agora_worker.serving.pipeline import PipelineService
 from agora_worker.serving.runtime import Runtime

@@ -1,4 +1,4 @@
-"""Stage progress: the workers of a stage step together once they jointly hold a batch.
+"""Stage progress: how a worker learns its stage's counts, and acts on the step decision.
 
 Every worker publishes, under its own signed subkey of the stage's progress key, the step it
 is at and the samples it accumulated toward it; it reads everyone's. When the samples of all
@@ -43,6 +43,7 @@ from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.observability.logs import get_logger
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
+from agora_worker.progress.decision import decide_step, known_reports
 
 log = get_logger("worker.progress")
 
@@ -109,34 +110,21 @@ class StageProgressTracker:
         self._wake = asyncio.Event()
 
     def decide(self, peers: list[StageProgress]) -> bool:
-        """Whether to step now, given the peers' reports (:meth:`known`)."""
+        """Whether to step now, given the peers' reports (:meth:`known`); keeps what the
+        decision saw (``stage_samples``, ``stage_step``, ``behind``) for status and tests."""
         step, samples = self._local()
-        at_step = [r for r in peers if r.step == step]
-        self.peers = len(at_step)
-        self._others = sum(r.samples for r in at_step)
-        self.stage_samples = samples + self._others
-        self.stage_step = max([step, *(r.step for r in peers)])
-        self.behind = self.stage_step > step
-        # with no samples of its own too: the collector may hold only its peers' counts
-        return self.behind or self.stage_samples >= self._target
+        decision = decide_step(step, samples, peers, self._target)
+        self.peers = decision.peers
+        self._others = decision.others
+        self.stage_samples = decision.stage_samples
+        self.stage_step = decision.stage_step
+        self.behind = decision.behind
+        return decision.step_now
 
     def known(self) -> list[StageProgress]:
         """The peers' reports as this worker knows them: each signed report, raised to the
         counts its worker pushed since, while the push is fresh."""
-        now = world.monotonic()
-        known = []
-        for report in self._reports:
-            pushed = self._pushes.get(report.node_id)
-            if (
-                pushed is not None
-                and now - pushed[2] < self._refresh_s
-                and pushed[:2] > (report.step, report.samples)
-            ):
-                report = StageProgress(
-                    node_id=report.node_id, step=pushed[0], samples=pushed[1], address=report.address
-                )
-            known.append(report)
-        return known
+        return known_reports(self._reports, self._pushes, now=world.monotonic(), fresh_s=self._refresh_s)
 
     @property
     def reported(self) -> tuple[int, int] | None:

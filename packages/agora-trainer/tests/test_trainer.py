@@ -25,40 +25,26 @@ from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import ChildProcess, poll_until, spawn_python, wait_until_async
+from agora_devkit.runs import tiny_run_toml
 from agora_trainer.data.cursor import reading_order
 from agora_trainer.data.sharding import make_shards
 from agora_trainer.data.shards import open_shards
 from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
-RUN_TOML = """
-name = "trainer-test"
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 16
-stage_layers = [1, 1, 1]
-[model.surrogate]
-forward_delay_s = 0.025
-backward_delay_s = 0.025
-[optimizer]
-target_batch_size = 8
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 2.0
-op_timeout_s = 2.0
-[transport]
-request_timeout_s = 10.0
-[sync]
-# A worker added mid-test serves at once: these tests are about routing, not joining (a
-# newcomer more than 20 steps behind would download and spend 400 steps invisible, which
-# on a loaded machine outlasts a test's samples: agora-worker's tests cover joining).
-stale_after_steps = 100000
-"""
+# A worker added mid-test serves at once ([sync] stale_after_steps): these tests are about
+# routing, not joining (a newcomer more than 20 steps behind would download and spend 400
+# steps invisible, which on a loaded machine outlasts a test's samples: agora-worker's tests
+# cover joining).
+RUN_TOML = tiny_run_toml(
+    "trainer-test",
+    seq_len=16,
+    dht={"op_timeout_s": 2.0},
+    optimizer={"target_batch_size": 8},
+    transport={"request_timeout_s": 10.0},
+    sync={"stale_after_steps": 100000},
+    **{"model.surrogate": {"forward_delay_s": 0.025, "backward_delay_s": 0.025}},
+)
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 FAST = dict(refresh_interval_s=0.3, progress_interval_s=0.5, ban_s=30.0)
 # (stage, surrogate delay scale). Stage 1 is the bottleneck: its workers take 50 ms and 150 ms

@@ -20,44 +20,39 @@ from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import ChildProcess, poll_until, spawn_python
+from agora_devkit.runs import tiny_run_toml
 from agora_worker.averaging.segments import SegmentLayout
 
 pytestmark = pytest.mark.slow
 STAGE = 1
 DUMMY = 400_000
-RUN = """
-name = "avg-test"
-seed = 5
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1, 1]
-[model.surrogate]
-dummy_parameters = {dummy}
-[optimizer]
-target_batch_size = 8
-warmup_steps = 0
-lr = 0.01
-[averaging]
-segments = 4
-cadence_steps = 100000
-matchmaking_window_s = {window}
-round_timeout_s = 20.0
-chunk_timeout_s = 4.0
-reducers = "{reducers}"
-reducer_ids = {reducer_ids}
-[transport]
-chunk_bytes = {chunk_bytes}
-[dht]
-gossip_period_s = 0.5
-probe_timeout_s = 0.45
-suspicion_timeout_s = 5.0
-op_timeout_s = 3.0
-"""
+
+
+def run_toml(*, window: float, reducers: str, reducer_ids: list[str], chunk_bytes: int) -> str:
+    """The averaging tests' run: slower gossip than the default tests' (rounds span seconds)."""
+    return tiny_run_toml(
+        "avg-test",
+        seed=5,
+        fast_dht=False,
+        dht={
+            "gossip_period_s": 0.5,
+            "probe_timeout_s": 0.45,
+            "suspicion_timeout_s": 5.0,
+            "op_timeout_s": 3.0,
+        },
+        optimizer={"target_batch_size": 8, "warmup_steps": 0, "lr": 0.01},
+        averaging={
+            "segments": 4,
+            "cadence_steps": 100000,
+            "matchmaking_window_s": window,
+            "round_timeout_s": 20.0,
+            "chunk_timeout_s": 4.0,
+            "reducers": reducers,
+            "reducer_ids": reducer_ids,
+        },
+        transport={"chunk_bytes": chunk_bytes},
+        **{"model.surrogate": {"dummy_parameters": DUMMY}},
+    )
 
 
 @dataclass
@@ -179,13 +174,12 @@ async def cluster(
 ):
     config = tmp_path / "run.toml"
     config.write_text(
-        RUN.format(
-            dummy=DUMMY,
+        run_toml(
             window=window,
-            chunk_bytes=chunk_bytes,
             reducers=reducers,
-            reducer_ids=list(reducer_ids) and [str(i) for i in reducer_ids],
-        ).replace("'", '"')
+            reducer_ids=[str(i) for i in reducer_ids],
+            chunk_bytes=chunk_bytes,
+        )
     )
     run = load_run_config(config)
     seed = DhtNode(key=NodeKey.generate(), config=run.dht)

@@ -31,6 +31,7 @@ from agora_core.schema import (
 )
 from agora_devkit.processes import ChildProcess, spawn_python
 from agora_devkit.prometheus import pushgateway_process
+from agora_devkit.runs import tiny_run_toml
 from agora_worker.averaging.matchmaking import Peer
 from agora_worker.termination import EXIT_CODES
 
@@ -40,39 +41,6 @@ FAIL_TOKEN, NAN_TOKEN = 7, 9
 START_S = 30.0  # a worker process imports torch, joins, announces
 TRIP_S = 15.0  # from the injected cause to the exit
 DHT = DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=1.0, op_timeout_s=1.0)
-RUN = """
-name = "{name}"
-seed = 3
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1, 1]
-[model.surrogate]
-fail_token = {fail_token}
-nan_token = {nan_token}
-[optimizer]
-target_batch_size = {batch}
-[averaging]
-segments = 1
-cadence_steps = 100000
-matchmaking_window_s = 2.0
-round_timeout_s = 5.0
-chunk_timeout_s = 2.0
-reducers = "listed"
-reducer_ids = ["{reducer}"]
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 1.0
-op_timeout_s = 1.0
-[termination]
-check_interval_s = 0.1
-{rules}
-"""
 
 
 @dataclass
@@ -87,7 +55,7 @@ class Running:
 def worker(
     tmp_path,
     run_name: str,
-    rules: str,
+    rules: dict,
     *,
     bootstrap: str,
     reducer: str,
@@ -98,13 +66,22 @@ def worker(
     stopped however the block ends."""
     config = tmp_path / f"{run_name}.toml"
     config.write_text(
-        RUN.format(
-            name=run_name,
-            fail_token=FAIL_TOKEN,
-            nan_token=NAN_TOKEN,
-            batch=batch,
-            reducer=reducer,
-            rules=rules,
+        tiny_run_toml(
+            run_name,
+            seed=3,
+            dht={"suspicion_timeout_s": 1.0, "op_timeout_s": 1.0},
+            optimizer={"target_batch_size": batch},
+            averaging={
+                "segments": 1,
+                "cadence_steps": 100000,
+                "matchmaking_window_s": 2.0,
+                "round_timeout_s": 5.0,
+                "chunk_timeout_s": 2.0,
+                "reducers": "listed",
+                "reducer_ids": [reducer],
+            },
+            termination={"check_interval_s": 0.1, **rules},
+            **{"model.surrogate": {"fail_token": FAIL_TOKEN, "nan_token": NAN_TOKEN}},
         )
     )
     command = [
@@ -148,7 +125,7 @@ async def test_a_worker_whose_compute_keeps_failing_terminates_for_device_failur
     tmp_path, process_seed, client
 ):
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
-    with worker(tmp_path, "term-device", "compute_failures = 3", **args) as running:
+    with worker(tmp_path, "term-device", {"compute_failures": 3}, **args) as running:
         forward = {k: v for k, v in sample(FAIL_TOKEN).items() if k != "grad"}
         for _ in range(3):
             with pytest.raises(HandlerFailed, match="injected failure"):
@@ -162,7 +139,7 @@ async def test_a_worker_whose_compute_keeps_failing_terminates_for_device_failur
 
 async def test_a_worker_whose_gradient_is_nan_terminates_at_its_step(tmp_path, process_seed, client):
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
-    with worker(tmp_path, "term-nan", "nonfinite_steps = 1", batch=1, **args) as running:
+    with worker(tmp_path, "term-nan", {"nonfinite_steps": 1}, batch=1, **args) as running:
         # inputs are checked for NaN on arrival; the NaN arises in the stage (fault injection)
         await client.call(running.address, "backward", {"stage": STAGE}, sample(NAN_TOKEN), timeout_s=10)
         await exits_for(running, DepartureReason.NONFINITE_GRADIENTS)
@@ -177,7 +154,7 @@ async def test_a_worker_cut_off_from_the_dht_terminates_as_unreachable(tmp_path,
     alone.start()
     try:
         args = {"bootstrap": alone.address, "reducer": process_seed.node.node_id}
-        with worker(tmp_path, "term-unreachable", "unreachable_s = 1.0", **args) as running:
+        with worker(tmp_path, "term-unreachable", {"unreachable_s": 1.0}, **args) as running:
             alone.stop(leave=False)  # dies without a word: the worker has to find out
             killed = time.monotonic()
             detail = await exits_for(running, DepartureReason.UNREACHABLE)
@@ -192,7 +169,7 @@ async def test_a_worker_holding_samples_while_its_stage_never_steps_terminates(
     tmp_path, process_seed, client
 ):
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
-    with worker(tmp_path, "term-stall", "no_progress_s = 0.5", batch=8, **args) as running:
+    with worker(tmp_path, "term-stall", {"no_progress_s": 0.5}, batch=8, **args) as running:
         info = (await client.call(running.address, "worker.info", timeout_s=10)).meta
         assert info["step"] == 0  # idle so far: an idle worker is not stalled
         await client.call(running.address, "backward", {"stage": STAGE}, sample(20), timeout_s=10)
@@ -205,7 +182,7 @@ async def test_a_worker_over_its_memory_limit_terminates_and_its_last_push_says_
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
     with pushgateway_process() as gateway:
         env = {"AGORA_METRICS_PUSH_GATEWAY": gateway.address}
-        with worker(tmp_path, "term-rss", "max_host_rss_mib = 1", **args, env=env) as running:
+        with worker(tmp_path, "term-rss", {"max_host_rss_mib": 1}, **args, env=env) as running:
             await exits_for(running, DepartureReason.HOST_MEMORY)
             departure = await departure_of(process_seed, running)
             assert departure.unit == "MiB" and departure.threshold == 1.0
@@ -238,7 +215,7 @@ async def test_a_worker_failing_two_of_three_averaging_rounds_terminates(tmp_pat
             signer=process_seed.node.key,
         )
     args = {"bootstrap": process_seed.address, "reducer": process_seed.node.node_id}
-    with worker(tmp_path, run_name, "failed_rounds = 2\nrounds_window = 3", **args) as running:
+    with worker(tmp_path, run_name, {"failed_rounds": 2, "rounds_window": 3}, **args) as running:
         for round_index in (0, 1):
             reply = await client.call(
                 running.address, "averaging.start", {"round": round_index}, timeout_s=15

@@ -15,6 +15,7 @@ from pathlib import Path
 from agora_core.config import load_run_config
 from agora_core.identity import NodeKey
 from agora_devkit.processes import wait_until_async
+from agora_devkit.runs import tiny_run_toml
 from agora_devkit.trainer import StandInSwarm
 from agora_trainer.data.sharding import make_shards
 from agora_trainer.data.tokenizer import ByteTokenizer
@@ -22,24 +23,12 @@ from agora_trainer.data.tokenizer import ByteTokenizer
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "rotate_shards.py"
 
-CONFIG = """
-name = "rotate-tool"
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1]
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 2.0
-op_timeout_s = 2.0
-[operator]
-public_keys = ["{operator}"]
-"""
+
+def config_text(operator: str) -> str:
+    """The run: its operator key, whose orders the trainer obeys."""
+    return tiny_run_toml(
+        "rotate-tool", stages=2, dht={"op_timeout_s": 2.0}, operator={"public_keys": [operator]}
+    )
 
 
 async def tool(*args: str, seed: str, config: Path, key: Path, code: int = 0) -> str:
@@ -65,7 +54,7 @@ async def test_the_operator_moves_a_live_trainers_shards_shows_them_and_clears_t
     operator_key = tmp_path / "operator.key"
     operator = NodeKey.load_or_create(operator_key)
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(operator=operator.public_key.hex()))
+    config.write_text(config_text(operator.public_key.hex()))
     run = load_run_config(config)
     make_shards(tmp_path / "shards", shards=4, tokenizer=ByteTokenizer(), sources=[Path(__file__)])
     async with StandInSwarm(run, 4) as swarm:

@@ -31,35 +31,25 @@ from agora_devkit.authorizer import (
     write_run,
 )
 from agora_devkit.processes import ChildProcess, spawn_python, wait_until_async
+from agora_devkit.runs import tiny_run_toml
 from agora_trainer.data.sharding import make_shards
 from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
 pytestmark = pytest.mark.slow
 START_S = 60.0  # a trainer process starts and is admitted
-RUN = """
-name = "{name}"
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 16
-stage_layers = [1, 1]
-[averaging]
-matchmaking_window_s = 1.0
-round_timeout_s = 5.0
-chunk_timeout_s = 2.0
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 1.0
-op_timeout_s = 1.0
-record_ttl_s = 3.0
-[admission]
-{floors}credential_lifetime_s = {lifetime_s}
-"""
+
+
+def run_toml(name: str, lifetime_s: float) -> str:
+    """The admission tests' run: open floors, credentials of ``lifetime_s``."""
+    return tiny_run_toml(
+        name,
+        stages=2,
+        seq_len=16,
+        dht={"suspicion_timeout_s": 1.0, "op_timeout_s": 1.0, "record_ttl_s": 3.0},
+        averaging={"matchmaking_window_s": 1.0, "round_timeout_s": 5.0, "chunk_timeout_s": 2.0},
+        extra=f"[admission]\n{OPEN_FLOORS}credential_lifetime_s = {lifetime_s}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +63,7 @@ def shards(tmp_path_factory) -> Path:
 def authorizer(tmp_path: Path, name: str, *, lifetime_s: float, key: NodeKey | None = None, seed: str = ""):
     """An authorizer of run ``name`` (with ``key``, if given), in its own DHT or, with ``seed``
     (a ``<hex key>@address``), in that member's."""
-    run = parse_run_config(RUN.format(name=name, floors=OPEN_FLOORS, lifetime_s=lifetime_s))
+    run = parse_run_config(run_toml(name, lifetime_s))
     extra = ("--allow-local-build",) + (("--bootstrap", seed) if seed else ())
     with authorizer_process(tmp_path / "authz", run, key=key, extra=extra) as process:
         yield process
@@ -126,7 +116,7 @@ async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(t
     # trainer join through), where the workers' announcements are stored
     authorizer_key = NodeKey.generate()
     name = "adm-routing"
-    run = parse_run_config(RUN.format(name=name, floors=OPEN_FLOORS, lifetime_s=60.0))
+    run = parse_run_config(run_toml(name, 60.0))
     run, _ = write_run(tmp_path, run, authorizer_key)
     authz_stack = contextlib.ExitStack()
     seed = await asyncio.to_thread(authz_stack.enter_context, RunObserver(run, authorizer_key, role="dht"))

@@ -7,17 +7,21 @@ import time
 
 import pytest
 
-from agora_core.config import parse_run_config
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.schema import trainer_progress_key
+from agora_devkit.runs import tiny_run
 from agora_trainer.data.sharding import make_shards
 from agora_trainer.data.tokenizer import ByteTokenizer
 from agora_trainer.trainer import Trainer, TrainerSettings
 
-RUN = parse_run_config(
-    'name = "ttl"\n[model]\nkind = "surrogate"\nd_model = 32\nn_heads = 2\nsubspace_rank = 4\n'
-    "seq_len = 16\nstage_layers = [1, 1]\n[averaging]\nmatchmaking_window_s = 2.0\n[dht]\nrecord_ttl_s = 9.0\n"
+RUN = tiny_run(
+    "ttl",
+    seq_len=16,
+    stages=2,
+    fast_dht=False,
+    dht={"record_ttl_s": 9.0},
+    averaging={"matchmaking_window_s": 2.0},
 )
 
 

@@ -29,37 +29,25 @@ from agora_devkit.authorizer import (
     write_run,
 )
 from agora_devkit.processes import ChildProcess, spawn_python, wait_until
+from agora_devkit.runs import tiny_run_toml
 from agora_worker.termination import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 KEY = "ab" * 32
 START_S = 60.0  # a worker process imports torch, is admitted, joins, announces
 CLI_S = 60.0  # one worker command that exits at once (it imports torch first)
-RUN = """
-name = "{name}"
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1]
-[averaging]
-matchmaking_window_s = 1.0
-round_timeout_s = 5.0
-chunk_timeout_s = 2.0
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 1.0
-op_timeout_s = 1.0
-record_ttl_s = 3.0
-[termination]
-check_interval_s = 0.1
-[admission]
-{admission}
-"""
+
+
+def run_toml(name: str, admission: str) -> str:
+    """The admission tests' run; ``admission``: the [admission] table's lines, as text."""
+    return tiny_run_toml(
+        name,
+        stages=2,
+        dht={"suspicion_timeout_s": 1.0, "op_timeout_s": 1.0, "record_ttl_s": 3.0},
+        averaging={"matchmaking_window_s": 1.0, "round_timeout_s": 5.0, "chunk_timeout_s": 2.0},
+        termination={"check_interval_s": 0.1},
+        extra=f"[admission]\n{admission}",
+    )
 
 
 @dataclass
@@ -79,9 +67,7 @@ def authorized_run(
     publishes its revocation list (``authorizer_in_dht=False``: a DHT of its own, so the list
     never reaches the worker)."""
     key = NodeKey.generate()
-    run = parse_run_config(
-        RUN.format(name=name, admission=f"{OPEN_FLOORS}credential_lifetime_s = {lifetime_s}")
-    )
+    run = parse_run_config(run_toml(name, f"{OPEN_FLOORS}credential_lifetime_s = {lifetime_s}"))
     run, _ = write_run(tmp_path, run, key)
     with RunObserver(run, key) as observer:
         extra = ("--allow-local-build",) + (("--bootstrap", observer.peer) if authorizer_in_dht else ())
@@ -193,7 +179,7 @@ def test_a_worker_on_the_dht_revocation_list_stops_before_its_credential_expires
 
 def worker_cli(tmp_path, admission: str, *flags: str) -> subprocess.CompletedProcess:
     config = tmp_path / "run.toml"
-    config.write_text(RUN.format(name="cli", admission=admission))
+    config.write_text(run_toml("cli", admission))
     command = [
         sys.executable,
         "-m",

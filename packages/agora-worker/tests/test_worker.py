@@ -17,6 +17,7 @@ from agora_core.config.run import DhtConfig, ModelConfig, OptimizerConfig
 from agora_core.errors import BadRequest, StageMismatch
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_devkit.processes import spawn_python, wait_until_async
+from agora_devkit.runs import tiny_run_toml
 from agora_devkit.worker import train_one_pass
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings
@@ -247,10 +248,7 @@ async def test_announcement_appears_and_is_withdrawn_on_clean_shutdown(workers, 
 
 def test_worker_cli_serves_and_stops_cleanly_on_sigterm(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(
-        'name = "cli"\n[model]\nkind = "surrogate"\nd_model = 32\nn_heads = 2\nsubspace_rank = 4\n'
-        "seq_len = 8\nstage_layers = [1, 1]\n[dht]\ngossip_period_s = 0.2\nprobe_timeout_s = 0.1\n"
-    )
+    config.write_text(tiny_run_toml("cli", stages=2))
     command = [
         "-m",
         "agora_worker",

@@ -21,6 +21,7 @@ from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_core.schema import StageProgress, parse_entries, stage_progress_key
 from agora_devkit.processes import spawn_python, wait_until, wait_until_async
+from agora_devkit.runs import tiny_run_toml
 from agora_worker.model import build_stage
 from agora_worker.settings import WorkerSettings
 from agora_worker.state.checkpoint import CheckpointStore, find_manifests
@@ -28,32 +29,16 @@ from agora_worker.state.snapshot import StateSnapshot
 from agora_worker.worker import Worker
 
 STARTUP_S = 90  # torch imports on a busy machine
-CONFIG = """
-name = "resume"
-seed = 7
-[model]
-kind = "surrogate"
-d_model = 32
-n_heads = 2
-subspace_rank = 4
-vocab_size = 256
-seq_len = 8
-stage_layers = [1, 1]
-[model.surrogate]
-dummy_parameters = 16   # untrained, random per process: only a restored checkpoint matches
-[optimizer]
-target_batch_size = 2
-warmup_steps = 1
-[averaging]
-enabled = false
-[checkpoint]
-every_steps = 2
-keep = 2
-[dht]
-gossip_period_s = 0.2
-probe_timeout_s = 0.1
-suspicion_timeout_s = 2.0
-"""
+# dummy_parameters: untrained, random per process: only a restored checkpoint matches
+CONFIG = tiny_run_toml(
+    "resume",
+    seed=7,
+    stages=2,
+    optimizer={"target_batch_size": 2, "warmup_steps": 1},
+    averaging={"enabled": False},
+    checkpoint={"every_steps": 2, "keep": 2},
+    **{"model.surrogate": {"dummy_parameters": 16}},
+)
 
 
 async def _call(address: str, method: str, meta=None, tensors=None):

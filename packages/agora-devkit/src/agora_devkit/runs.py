@@ -39,12 +39,14 @@ def tiny_run_toml(
     fast_dht: bool = True,
     dht: dict[str, Any] | None = None,
     top: dict[str, Any] | None = None,
+    extra: str = "",
     **tables: dict[str, Any],
 ) -> str:
     """A run of the tiny surrogate model (d_model 32, 2 heads, subspace rank 4, 256 ids, one
     layer per stage, ``stages`` stages) on a fast DHT (``FAST_DHT`` unless ``fast_dht`` is
     false, updated by ``dht``).
-    ``tables`` add or update tables by name; ``top`` adds top-level keys."""
+    ``tables`` add or update tables by name; ``top`` adds top-level keys; ``extra`` is TOML text
+    appended as it is (a table a test builds as text)."""
     model = {
         "kind": "surrogate",
         "d_model": 32,
@@ -66,7 +68,7 @@ def tiny_run_toml(
     for table, keys in merged.items():
         lines.append(f"[{table}]")
         lines += [f"{key} = {_value(value)}" for key, value in keys.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (extra if extra.endswith("\n") or not extra else extra + "\n")
 
 
 def tiny_run(name: str = "test", **options: Any) -> RunConfig:

@@ -30,6 +30,7 @@ PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 # where Debian's postgresql package puts initdb and pg_ctl (not on PATH): the authorizer's
 # store tests start a throwaway server from there
 POSTGRES_BIN_GLOB = "/usr/lib/postgresql/*/bin"
+REVIEW_LINES = 600  # a module past this is named for review before the tests run (not a failure)
 
 # Runs inside the venv: every agora* distribution must be an editable/local install whose
 # source lies under packages/ of this repo, and every local package must be installed.
@@ -213,6 +214,13 @@ def run_tests(extra: list[str]) -> int:
         subprocess.run(lint_imports, cwd=ROOT)  # again, to show what broke
         _say("a layer contract is broken: a module imports one above its layer, or a role another role")
         return 1
+    long_modules = [
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for path in sorted(ROOT.glob("packages/*/src/**/*.py"))
+        if (lines := len(path.read_text().splitlines())) > REVIEW_LINES
+    ]
+    if long_modules:  # a module is one concept, as big as it needs; past this, look again
+        _say(f"modules past {REVIEW_LINES} lines, for review: " + ", ".join(long_modules))
     _say("running the test suite (in random order: pytest-randomly prints the seed to rerun it with)")
     # --durations: the slowest tests are named in every run, so creeping test time is seen early
     result = subprocess.run([str(PYTHON), "-m", "pytest", "--durations=15", *extra], cwd=ROOT)

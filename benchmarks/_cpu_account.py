@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import _proc
+from agora_localswarm import proc
 
 PERIOD_S = 0.25  # sampling period: short against a training window of tens of seconds
 
@@ -83,8 +83,8 @@ class CpuAccount:
 def _threads(pid: int) -> list[tuple[int, str, float]]:
     """(tid, kind, CPU seconds) of each thread of ``pid``; empty once it is gone."""
     found = []
-    for tid in _proc.threads(pid):
-        stat = _proc.stat(pid, tid)
+    for tid in proc.threads(pid):
+        stat = proc.stat(pid, tid)
         if stat is not None:
             kind = "event_loop" if tid == pid else "zmq_io" if stat.name.startswith("ZMQbg") else "threads"
             found.append((tid, kind, stat.cpu_s))

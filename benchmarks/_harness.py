@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-import _proc
+from agora_localswarm import proc
 
 DEADLINE_EXIT = 3
 SMOKE_DEADLINE_S = 150.0  # a smoke run takes seconds; this only catches a hang
@@ -115,8 +115,8 @@ def stop_descendants() -> None:
 def _descendants(root: int) -> list[int]:
     """Pids below ``root`` in the process tree (empty where there is no /proc)."""
     children: dict[int, list[int]] = {}
-    for pid in _proc.pids():
-        found = _proc.stat(pid)
+    for pid in proc.pids():
+        found = proc.stat(pid)
         if found is not None:
             children.setdefault(found.ppid, []).append(pid)
     found, queue = [], [root]
@@ -128,5 +128,5 @@ def _descendants(root: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    found = _proc.stat(pid)
+    found = proc.stat(pid)
     return found is not None and found.state != "Z"  # a zombie is dead, just not reaped yet

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 import _harness
-import _proc
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
 from agora_core.config import load_run_config
 from agora_core.contract import Method
@@ -35,6 +34,7 @@ from agora_core.observability.logs import configure_logging
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import spawn_python
+from agora_localswarm import proc
 from agora_worker.serving.compute import build_compute
 from agora_worker.settings import WorkerSettings
 from agora_worker.worker import Worker
@@ -122,9 +122,7 @@ class ThreadTimes:
 
     @classmethod
     def of(cls, pid: int) -> ThreadTimes:
-        threads = {
-            tid: times for tid in _proc.threads(pid) if (times := _proc.schedstat(pid, tid)) is not None
-        }
+        threads = {tid: times for tid in proc.threads(pid) if (times := proc.schedstat(pid, tid)) is not None}
         return cls(time.perf_counter(), threads, pid, time.process_time())
 
     def shares_since(self, before: ThreadTimes) -> dict[str, float]:

@@ -41,10 +41,10 @@ from pathlib import Path
 from statistics import median
 
 import _harness
-import _proc
 from _churn_swarm import DrivenSwarm, ensure_shards, run_up  # benchmarks/ is on sys.path as a script
 from _cpu_account import CpuAccount
 from _report import Report
+from agora_localswarm import proc
 from agora_localswarm.results import centralized_rate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,12 +87,12 @@ def swarm(shards: Path, samples: int, replicas: int, folder: Path, note) -> Swar
     flags += ["--replicas", str(replicas), "--no-export", "--status-interval", "30"]
     note(f"swarm: {replicas} workers per stage, {samples} samples")
     with CpuAccount(run_dir) as account:
-        proc = run_up(flags, run_dir, timeout_s=SWARM_RUN_S, capture=True)
-    found = re.search(r"training throughput: ([\d.]+) samples/s", proc.stdout)
-    if proc.returncode != 0 or not found:
-        logs = [Path(p) for p in re.findall(r"see (\S+\.log)", proc.stdout + proc.stderr)]
+        done = run_up(flags, run_dir, timeout_s=SWARM_RUN_S, capture=True)
+    found = re.search(r"training throughput: ([\d.]+) samples/s", done.stdout)
+    if done.returncode != 0 or not found:
+        logs = [Path(p) for p in re.findall(r"see (\S+\.log)", done.stdout + done.stderr)]
         tails = "".join(f"\n--- {p}:\n{p.read_text()[-2000:]}" for p in logs if p.exists())
-        raise RuntimeError(f"swarm.py up failed ({proc.returncode}):\n{proc.stdout[-2000:]}{tails}")
+        raise RuntimeError(f"swarm.py up failed ({done.returncode}):\n{done.stdout[-2000:]}{tails}")
     records = [json.loads(line) for line in (run_dir / "trainer-0.losses.jsonl").read_text().splitlines()]
     records.sort(key=lambda r: r["t"])
     start, end, counted = records[0]["t"], records[-1]["t"], max(1, len(records) - 1)
@@ -122,7 +122,7 @@ def report_cpu_account(report: Report, runs: list[SwarmRun], replicas: int, cent
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of one process so far (0 once it is gone)."""
-    found = _proc.stat(pid)
+    found = proc.stat(pid)
     return found.cpu_s if found is not None else 0.0
 
 

@@ -7,27 +7,13 @@ sub-table: ``**{"model.surrogate": {"dummy_parameters": 16}}``). ``tiny_run()`` 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from agora_core.config import RunConfig, parse_run_config
+from agora_core.config.dump import toml_value
 
 # A gossip cadence fast enough for tests to see joins and deaths within seconds.
 FAST_DHT = {"gossip_period_s": 0.2, "probe_timeout_s": 0.1, "suspicion_timeout_s": 2.0}
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML form for {value!r}")
 
 
 def tiny_run_toml(
@@ -61,13 +47,13 @@ def tiny_run_toml(
         merged["dht"] = {**(FAST_DHT if fast_dht else {}), **(dht or {})}
     for table, keys in tables.items():
         merged.setdefault(table, {}).update(keys)
-    lines = [f"name = {_value(name)}"]
+    lines = [f"name = {toml_value(name)}"]
     if seed is not None:
         lines.append(f"seed = {seed}")
-    lines += [f"{key} = {_value(value)}" for key, value in (top or {}).items()]
+    lines += [f"{key} = {toml_value(value)}" for key, value in (top or {}).items()]
     for table, keys in merged.items():
         lines.append(f"[{table}]")
-        lines += [f"{key} = {_value(value)}" for key, value in keys.items()]
+        lines += [f"{key} = {toml_value(value)}" for key, value in keys.items()]
     return "\n".join(lines) + "\n" + (extra if extra.endswith("\n") or not extra else extra + "\n")
 
 

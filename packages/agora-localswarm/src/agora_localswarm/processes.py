@@ -24,7 +24,7 @@ import click
 
 from agora_core.admission.credential_file import save_credential
 from agora_core.identity import NodeKey
-from agora_localswarm import authorizer
+from agora_localswarm import authorizer, proc
 
 STARTUP_TIMEOUT_S = 120.0  # torch imports on a busy 2-core machine are slow
 # One compute thread per process: a swarm on a laptop has more processes than cores.
@@ -333,11 +333,8 @@ def start_trainer(
 
 def process_start(pid: int) -> int:
     """When process ``pid`` started, in clock ticks since boot (0 where /proc cannot say)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold ")"
+    found = proc.stat(pid)
+    return 0 if found is None else found.started
 
 
 def alive(pid: int, started: int = 0) -> bool:

@@ -32,12 +32,13 @@ def _table(config: Any, path: str, lines: list[str]) -> None:
         if dataclasses.is_dataclass(value):
             nested.append((field.name, value))
         elif value is not None:
-            lines.append(f"{field.name} = {_value(value, f'{path}.{field.name}'.lstrip('.'))}")
+            lines.append(f"{field.name} = {toml_value(value, f'{path}.{field.name}'.lstrip('.'))}")
     for name, value in nested:
         _table(value, f"{path}.{name}" if path else name, lines)
 
 
-def _value(value: Any, key: str) -> str:
+def toml_value(value: Any, key: str = "") -> str:
+    """One TOML value: a scalar, an enum's value, or a list of them (``key`` names it in errors)."""
     if isinstance(value, enum.Enum):
         value = value.value
     if isinstance(value, bool):
@@ -53,5 +54,5 @@ def _value(value: Any, key: str) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # JSON's escapes are all valid in a TOML basic string
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v, key) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v, key) for v in value) + "]"
     raise TypeError(f"{key}: cannot write a {type(value).__name__} as TOML")

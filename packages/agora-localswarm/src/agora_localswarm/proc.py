@@ -1,6 +1,8 @@
-"""What Linux's /proc says about a process or one of its threads: its name, state, parent and
-CPU time (``stat``), and the scheduler's running and waiting times (``schedstat``). Every
-reader returns None once the process is gone, or where there is no /proc."""
+"""What Linux's /proc says about a process or one of its threads: its name, state, parent, CPU
+time and start time (``stat``), and the scheduler's running and waiting times (``schedstat``).
+Every reader returns None once the process is gone, or where there is no /proc. The local
+swarm tells a process from a later one that reuses its pid by its start time; the benchmarks
+account CPU and find the processes they started with the rest."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class Stat:
     state: str  # R, S, D, Z (a zombie: dead, not reaped yet), ...
     ppid: int
     cpu_s: float  # user + system
+    started: int  # clock ticks after boot
 
 
 def stat(pid: int, tid: int | None = None) -> Stat | None:
@@ -29,7 +32,8 @@ def stat(pid: int, tid: int | None = None) -> Stat | None:
     # the name may hold spaces and parentheses: the fields follow the last ")"
     fields = text.rsplit(")", 1)[1].split()
     cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return Stat(text[text.index("(") + 1 : text.rindex(")")], fields[0], int(fields[1]), cpu_s)
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    return Stat(name, fields[0], int(fields[1]), cpu_s, int(fields[19]))  # fields 3, 4, 14+15, 22
 
 
 def schedstat(pid: int, tid: int) -> tuple[int, int] | None:

@@ -24,15 +24,13 @@ def tiny_run_toml(
     stages: int = 3,
     fast_dht: bool = True,
     dht: dict[str, Any] | None = None,
-    top: dict[str, Any] | None = None,
     extra: str = "",
     **tables: dict[str, Any],
 ) -> str:
     """A run of the tiny surrogate model (d_model 32, 2 heads, subspace rank 4, 256 ids, one
     layer per stage, ``stages`` stages) on a fast DHT (``FAST_DHT`` unless ``fast_dht`` is
-    false, updated by ``dht``).
-    ``tables`` add or update tables by name; ``top`` adds top-level keys; ``extra`` is TOML text
-    appended as it is (a table a test builds as text)."""
+    false, updated by ``dht``). ``tables`` add or update tables by name; ``extra`` is TOML
+    text appended as it is (a table a test builds as text)."""
     model = {
         "kind": "surrogate",
         "d_model": 32,
@@ -50,11 +48,11 @@ def tiny_run_toml(
     lines = [f"name = {toml_value(name)}"]
     if seed is not None:
         lines.append(f"seed = {seed}")
-    lines += [f"{key} = {toml_value(value)}" for key, value in (top or {}).items()]
     for table, keys in merged.items():
         lines.append(f"[{table}]")
         lines += [f"{key} = {toml_value(value)}" for key, value in keys.items()]
-    return "\n".join(lines) + "\n" + (extra if extra.endswith("\n") or not extra else extra + "\n")
+    text = "\n".join(lines) + "\n"
+    return text + extra.rstrip("\n") + "\n" if extra else text
 
 
 def tiny_run(name: str = "test", **options: Any) -> RunConfig:

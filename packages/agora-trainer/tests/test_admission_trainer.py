@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, NodeAdmission, cpu_hardware
+from agora_core.admission.node_admission import CREDENTIAL_LOST_EXIT_CODE, cpu_hardware
 from agora_core.config import NodeSettings, parse_run_config
 from agora_core.contract import Phase
 from agora_core.dht import owned_subkey
 from agora_core.identity import NodeKey
-from agora_core.node.run_node import RunNode
-from agora_core.observability.metrics import NodeMetrics
+from agora_core.node.role import RoleNode
 from agora_core.schema import WorkerAnnouncement, stage_workers_key
 from agora_devkit.authorizer import (
     OPEN_FLOORS,
@@ -127,20 +126,15 @@ async def test_a_trainer_drops_workers_on_the_revocation_list_from_its_routing(t
         )
         token = await asyncio.to_thread(authz.add_account, "acme")
         run, key = authz.run, NodeKey.generate()
-        metrics = NodeMetrics(role="trainer")
-        node = RunNode(run=run, key=key, metrics=metrics, bootstrap=[seed.peer], authorizer=authz.address)
+        member = RoleNode.build("trainer", run, key, bootstrap=[seed.peer], authorizer=authz.address)
         settings = NodeSettings(authorizer=authz.address, account="acme", account_token=token)
-        admission = NodeAdmission(
-            run=run, node=node, key=key, role="trainer", settings=settings, hardware=cpu_hardware()
-        )
+        admission = member.ask_authorizer(settings, cpu_hardware())
         trainer = Trainer(
             run=run,
             shards_dir=shards,
             key=key,
             settings=TrainerSettings(refresh_interval_s=0.3, progress_interval_s=0.5),
-            metrics=metrics,
-            node=node,
-            admission=admission,
+            member=member,
         )
         try:
             # One worker per stage, each a credentialed member announcing itself the way workers

@@ -37,7 +37,7 @@ from agora_core.config import RunConfig
 from agora_core.contract import Method
 from agora_core.errors import BadRequest
 from agora_core.identity import NodeKey
-from agora_core.node.run_node import RunNode
+from agora_core.node.role import RoleNode
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request
@@ -63,10 +63,10 @@ class Authorizer:
         self.config = run.admission
         self.key = key
         self.store = store
-        self.metrics = metrics or NodeMetrics(role="authorizer", instance=key.node_id[:12])
-        self.node = RunNode(
-            run=run, key=key, metrics=self.metrics, listen=listen, bootstrap=bootstrap, advertise=advertise
+        self.member = RoleNode.build(
+            "authorizer", run, key, metrics=metrics, listen=listen, bootstrap=bootstrap, advertise=advertise
         )
+        self.node, self.metrics = self.member.node, self.member.metrics
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         self.software = SoftwarePolicy([*self.config.allowed_software, *allowed_software])
         self.challenge_width = self.config.challenge_width_for(run.model.d_model)

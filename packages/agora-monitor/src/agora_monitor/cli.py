@@ -25,7 +25,6 @@ from agora_core.identity import NodeKey
 from agora_core.node.heap import settle_startup_heap
 from agora_core.node.options import fail, load_config, resolve_node
 from agora_core.observability.logs import configure_logging, get_logger
-from agora_core.observability.metrics import NodeMetrics
 from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_monitor import __version__
 from agora_monitor.observer import join, observer_node
@@ -125,8 +124,8 @@ async def _serve(
     node_args: dict,
     node_settings: NodeSettings,
 ) -> None:
-    metrics = NodeMetrics(role="monitor", instance=node_args["key"].node_id[:12])
-    node = observer_node(run, metrics=metrics, **node_args)
+    member = observer_node(run, **node_args)
+    node, metrics = member.node, member.metrics
     address = await join(node, node_args["bootstrap"])
     monitor = Monitor(run=run, store=store, dht=node.dht, settings=settings, metrics=metrics)
     runner = exposure = None

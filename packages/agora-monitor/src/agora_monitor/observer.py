@@ -17,8 +17,8 @@ from agora_core.config import RunConfig
 from agora_core.dht import DhtError
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
+from agora_core.node.role import RoleNode
 from agora_core.node.run_node import RunNode
-from agora_core.observability.metrics import NodeMetrics
 from agora_monitor.errors import BootstrapUnreachable, CredentialMissing
 
 OBSERVER_ROLES = ("monitor", "operator", "dht")
@@ -29,12 +29,11 @@ def observer_node(
     *,
     key: NodeKey,
     bootstrap: Sequence[str],
-    metrics: NodeMetrics,
     credential_file: str | None = None,
     listen: str = "127.0.0.1:0",
     advertise: str | None = None,
-) -> RunNode:
-    """A RunNode for watching ``run`` (not started); typed errors for a missing or wrong
+) -> RoleNode:
+    """The monitor's member of ``run`` (not started); typed errors for a missing or wrong
     credential and for no bootstrap address."""
     if not bootstrap:
         raise ConfigError("--bootstrap", "give the address of a DHT member of the run to join through")
@@ -58,10 +57,9 @@ def observer_node(
                 f"{credential_file} is a {credential.credential.role}'s credential; a monitor "
                 f"needs one of role {', '.join(OBSERVER_ROLES)}",
             )
-    return RunNode(
-        run=run, key=key, metrics=metrics, listen=listen, advertise=advertise,
-        bootstrap=list(bootstrap), credential=credential,
-    )  # fmt: skip
+    return RoleNode.build(
+        "monitor", run, key, listen=listen, bootstrap=bootstrap, advertise=advertise, credential=credential
+    )
 
 
 async def join(node: RunNode, bootstrap: Sequence[str]) -> str:

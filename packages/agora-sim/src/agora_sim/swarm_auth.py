@@ -29,10 +29,10 @@ from agora_authorizer.service import Authorizer
 from agora_authorizer.store import Store
 from agora_core import world
 from agora_core.admission.join_request import HardwareReport
-from agora_core.admission.node_admission import NodeAdmission
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
+from agora_core.node.role import RoleNode
 from agora_core.node.run_node import RunNode
 from agora_core.observability.metrics import NodeMetrics
 from agora_trainer.trainer import Trainer, TrainerSettings
@@ -135,41 +135,22 @@ class SwarmAuthority:
         assert self.seed_key is not None
         return [f"{self.seed_key.public_key.hex()}@{self.swarm.seed.address}"]
 
-    def _admitted(self, key: NodeKey, metrics: NodeMetrics, role: str, settings) -> dict:
-        """What a worker or trainer of ``role`` is built with to be admitted: its run, key,
-        settings and metrics, its node and the admission that serves the dial-back there."""
+    def _admitted(self, key: NodeKey, role: str, *, stage: int | None = None) -> RoleNode:
+        """The member a worker or trainer of ``role`` runs on, with the admission that serves
+        the dial-back on its port."""
         assert self.authorizer is not None and self.authorizer.address is not None
-        node = RunNode(
-            run=self.run,
-            key=key,
-            metrics=metrics,
-            bootstrap=self.bootstrap(),
-            authorizer=self.authorizer.address,
+        member = RoleNode.build(
+            role, self.run, key, stage=stage, bootstrap=self.bootstrap(), authorizer=self.authorizer.address
         )
         joining = NodeSettings(authorizer=self.authorizer.address, account=ACCOUNT, account_token=self.token)
-        admission = NodeAdmission(
-            run=self.run,
-            node=node,
-            key=key,
-            role=role,
-            settings=joining,
-            hardware=SIM_HARDWARE,
-            matmul=device_matmul(torch.device("cpu")),
-        )
-        return {
-            "run": self.run,
-            "key": key,
-            "settings": settings,
-            "metrics": metrics,
-            "node": node,
-            "admission": admission,
-        }
+        member.ask_authorizer(joining, SIM_HARDWARE, matmul=device_matmul(torch.device("cpu")))
+        return member
 
     def worker(self, stage: int, key: NodeKey, settings: WorkerSettings) -> Worker:
         """A worker for ``stage``, pinned there; :meth:`start_worker` admits and starts it."""
         self.store.pin(key.node_id, stage, now=world.wall())
-        metrics = NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
-        return Worker(stage=stage, **self._admitted(key, metrics, "worker", settings))
+        member = self._admitted(key, "worker", stage=stage)
+        return Worker(run=self.run, stage=stage, key=key, settings=settings, member=member)
 
     def start(self, node):
         """``node``'s start: a worker or trainer is admitted first."""
@@ -189,8 +170,8 @@ class SwarmAuthority:
         return await worker.start()
 
     def trainer(self, key: NodeKey, shards, settings: TrainerSettings) -> Trainer:
-        metrics = NodeMetrics(role="trainer", instance=key.node_id[:12])
-        return Trainer(shards_dir=shards, **self._admitted(key, metrics, "trainer", settings))
+        member = self._admitted(key, "trainer")
+        return Trainer(run=self.run, shards_dir=shards, key=key, settings=settings, member=member)
 
     @staticmethod
     async def _start_trainer(trainer: Trainer) -> None:

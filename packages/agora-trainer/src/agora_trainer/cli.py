@@ -20,8 +20,7 @@ from agora_core.node.options import (
     node_options,
     status_interval_option,
 )
-from agora_core.node.run_node import RunNode
-from agora_core.observability.metrics import NodeMetrics
+from agora_core.node.role import RoleNode
 from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_trainer import __version__
 from agora_trainer.data import shards_cli
@@ -193,37 +192,12 @@ def run(config_file, shards_dir, bootstrap, status_interval_s, **options) -> Non
     node, run_config, settings = launch_role("trainer", options, config_file, TrainerSettings)
     try:
         key = NodeKey.load_or_create(node.key_file)
-        metrics = NodeMetrics(role="trainer", instance=key.node_id[:12])
-        run_node = RunNode(
-            run=run_config,
-            key=key,
-            metrics=metrics,
-            listen=node.listen,
-            bootstrap=list(bootstrap),
-            advertise=node.advertise,
-            link=node.link_emulator(),
-            authorizer=node.authorizer,
-        )
-        admission = None
+        member = RoleNode.from_settings("trainer", run_config, key, node, list(bootstrap))
         if run_config.admission.authorized:  # the challenge on the CPU, with numpy
-            admission = NodeAdmission(
-                run=run_config,
-                node=run_node,
-                key=key,
-                role="trainer",
-                settings=node,
-                hardware=cpu_hardware(),
-                on_status=lambda status: _echo(f"  admission  {status.describe()}"),
+            member.ask_authorizer(
+                node, cpu_hardware(), on_status=lambda status: _echo(f"  admission  {status.describe()}")
             )
-        trainer = Trainer(
-            run=run_config,
-            shards_dir=shards_dir,
-            key=key,
-            settings=settings,
-            metrics=metrics,
-            node=run_node,
-            admission=admission,
-        )
+        trainer = Trainer(run=run_config, shards_dir=shards_dir, key=key, settings=settings, member=member)
         code = asyncio.run(_run(trainer, node, status_interval_s))
     except (AgoraError, OSError, ValueError) as exc:  # DataError is an AgoraError
         fail(str(exc), code=1)

@@ -19,16 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from agora_core import world
-from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import RunConfig
 from agora_core.dht import DhtError
 from agora_core.dht.owned import OwnedEntry, check_refresh
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
-from agora_core.injection import InjectionPoints, InjectionWatcher, NodeEffects
+from agora_core.injection import InjectionPoints, NodeEffects
 from agora_core.injection.operators import OperatorKeys
-from agora_core.node.run_node import RunNode
+from agora_core.node.role import RoleNode
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc.linkemu import LinkEmulator
@@ -68,17 +67,26 @@ class Trainer:
         settings: TrainerSettings | None = None,
         metrics: NodeMetrics | None = None,
         link: LinkEmulator | None = None,
-        node: RunNode | None = None,
-        admission: NodeAdmission | OpenAdmission | None = None,
+        member: RoleNode | None = None,
     ):
-        """``node``: a RunNode built with ``metrics`` whose port the admission serves, instead
-        of a new one on ``listen``; ``admission``: default an open run's (nothing to wait for)."""
+        """``member``: the node it runs on, already built (an authorized trainer's, its
+        admission given), instead of a new open-run member on ``listen`` with ``metrics``."""
         self.run = run
-        self.admission = admission or OpenAdmission()
         self.key = key
         self.settings = settings or TrainerSettings()
         check_refresh(self.settings.progress_interval_s, run.dht.record_ttl_s, "progress_interval_s")
-        self.metrics = metrics or NodeMetrics(role="trainer", instance=key.node_id[:12])
+        self.member = RoleNode.given_or_built(
+            member,
+            "trainer",
+            run,
+            key,
+            metrics=metrics,
+            listen=listen,
+            bootstrap=bootstrap,
+            advertise=advertise,
+            link=link,
+        )
+        self.node, self.metrics, self.admission = self.member.node, self.member.metrics, self.member.admission
         # Training shards only (validation ones are never opened), each checked against its
         # digest, made with the run's tokenizer.
         shard_set = open_shard_set(shards_dir, "train")
@@ -96,15 +104,6 @@ class Trainer:
             shuffle_seed=run.data.shuffle_seed,
             epochs=self.settings.epochs,
             assigned=self.settings.assigned_shards(),
-        )
-        self.node = node or RunNode(
-            run=run,
-            key=key,
-            metrics=self.metrics,
-            listen=listen,
-            bootstrap=bootstrap,
-            advertise=advertise,
-            link=link,
         )
         self.client, self.dht = self.node.client, self.node.dht
         self.balancers = [
@@ -124,10 +123,7 @@ class Trainer:
         self.router = PipelineRouter(
             self.client, self.balancers, routing, self.counters, self.metrics, injections=self.injections
         )
-        self.injection_watch = InjectionWatcher.for_node(
-            self.node,
-            run,
-            role="trainer",
+        self.injection_watch = self.member.injection_watcher(
             stage=None,
             points=self.injections,
             effects=NodeEffects(slow=self.router.slowdown.set, corrupt_next_gradient=self._corrupt_next),

@@ -20,9 +20,8 @@ import torch
 from agora_core.admission.join_client import JoinStatus
 from agora_core.admission.join_request import HardwareReport
 from agora_core.admission.node_admission import NodeAdmission, cpu_hardware
-from agora_core.config import NodeSettings, RunConfig
-from agora_core.identity import NodeKey
-from agora_core.node.run_node import RunNode
+from agora_core.config import NodeSettings
+from agora_core.node.role import RoleNode
 
 
 def device_matmul(device: torch.device) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -54,24 +53,14 @@ def worker_hardware(device: torch.device) -> HardwareReport:
 
 
 def worker_admission(
-    *,
-    run: RunConfig,
-    node: RunNode,
-    key: NodeKey,
+    member: RoleNode,
     settings: NodeSettings,
     device: torch.device,
     on_status: Callable[[JoinStatus], None] | None = None,
 ) -> NodeAdmission:
-    """The admission of a worker that will compute on ``device``, over ``node``'s port."""
-    return NodeAdmission(
-        run=run,
-        node=node,
-        key=key,
-        role="worker",
-        settings=settings,
-        hardware=worker_hardware(device),
-        matmul=device_matmul(device),
-        on_status=on_status,
+    """Give ``member`` the admission of a worker that will compute on ``device``."""
+    return member.ask_authorizer(
+        settings, worker_hardware(device), matmul=device_matmul(device), on_status=on_status
     )
 
 

@@ -9,7 +9,6 @@ import sys
 import click
 
 from agora_core.admission.join_client import JoinStatus
-from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.config import NodeSettings, RunConfig
 from agora_core.contract import Phase, StageRole
 from agora_core.errors import AgoraError
@@ -20,9 +19,8 @@ from agora_core.node.options import (
     launch_role,
     node_options,
 )
-from agora_core.node.run_node import RunNode
+from agora_core.node.role import RoleNode
 from agora_core.observability.logs import get_logger
-from agora_core.observability.metrics import NodeMetrics
 from agora_core.observability.metrics_exposure import MetricsExposure
 from agora_worker import __version__
 from agora_worker.admission import admit, worker_admission
@@ -60,43 +58,27 @@ async def _main(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    metrics = NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
-    run_node = RunNode(
-        run=run,
-        key=key,
-        metrics=metrics,
-        listen=node.listen,
-        bootstrap=bootstrap,
-        advertise=node.advertise,
-        link=node.link_emulator(),
-        authorizer=node.authorizer,
-    )
+    member = RoleNode.from_settings("worker", run, key, node, bootstrap, stage=stage)
     _echo(f"agora-worker {__version__}: run {run.name!r}")
     _echo(f"  node id    {key.node_id}")
-    admission: NodeAdmission | OpenAdmission = OpenAdmission()
     if run.admission.authorized:
-        device = pick_device(settings.device)
-        admission = worker_admission(
-            run=run, node=run_node, key=key, settings=node, device=device, on_status=_on_status
-        )
+        admission = worker_admission(member, node, pick_device(settings.device), on_status=_on_status)
         _echo(f"  authorizer {node.authorizer} (account {node.account or '-'})")
         try:
             stage = await admit(admission, stop)
         except BaseException:
             admission.close()
-            await run_node.stop()
+            await member.node.stop()
             raise
         if stage is None:  # stopped while queued
             admission.close()
-            await run_node.stop()
+            await member.node.stop()
             _echo("stopped")
             return 0
-        metrics.set_stage(stage)
+        member.metrics.set_stage(stage)
     assert stage is not None  # given in an open run (the command checked), placed otherwise
     _echo(f"  stage      {stage} ({StageRole.of(stage, run.model.n_stages)})")
-    worker = Worker(
-        run=run, stage=stage, key=key, settings=settings, metrics=metrics, node=run_node, admission=admission
-    )
+    worker = Worker(run=run, stage=stage, key=key, settings=settings, member=member)
     return await _serve(worker, node, stop)
 
 

@@ -27,6 +27,4 @@ def watcher_for(worker: Worker) -> InjectionWatcher:
         slow=worker.runtime.slowdown.set,
         corrupt_next_gradient=None if worker.role == StageRole.HEAD else corrupt,
     )
-    return InjectionWatcher.for_node(
-        worker.node, worker.run, role="worker", stage=worker.stage, points=worker.injections, effects=effects
-    )
+    return worker.member.injection_watcher(stage=worker.stage, points=worker.injections, effects=effects)

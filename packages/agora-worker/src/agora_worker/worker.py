@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from agora_core import world
-from agora_core.admission.node_admission import NodeAdmission, OpenAdmission
 from agora_core.auth.access import CREDENTIALED, only
 from agora_core.config import RunConfig
 from agora_core.contract import Method, Phase, StageRole
@@ -22,7 +21,7 @@ from agora_core.dht import DhtError
 from agora_core.errors import BadRequest, RpcError
 from agora_core.identity import NodeKey
 from agora_core.injection import InjectionPoints
-from agora_core.node.run_node import RunNode
+from agora_core.node.role import RoleNode
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, Request
@@ -62,20 +61,30 @@ class Worker:
         settings: WorkerSettings | None = None,
         metrics: NodeMetrics | None = None,
         link: LinkEmulator | None = None,
-        node: RunNode | None = None,
-        admission: NodeAdmission | OpenAdmission | None = None,
+        member: RoleNode | None = None,
     ):
-        """``node``: a RunNode whose port is already bound (an authorized worker's, built with
-        ``metrics``), instead of a new one on ``listen``; ``admission``: the worker's admission
-        (default: an open run's, always valid)."""
+        """``member``: the node it runs on, already built (an authorized worker's: its port
+        bound and its admission given, :mod:`agora_worker.admission`), instead of a new open-run
+        member on ``listen`` with ``metrics``."""
         if not 0 <= stage < run.model.n_stages:
             raise ValueError(f"stage {stage} does not exist: the run has stages 0..{run.model.n_stages - 1}")
         self.run = run
         self.stage = stage
         self.key = key
         self.settings = settings or WorkerSettings()
-        self.admission = admission or OpenAdmission()
-        self.metrics = metrics or NodeMetrics(role="worker", stage=stage, instance=key.node_id[:12])
+        self.member = RoleNode.given_or_built(
+            member,
+            "worker",
+            run,
+            key,
+            stage=stage,
+            metrics=metrics,
+            listen=listen,
+            bootstrap=bootstrap,
+            advertise=advertise,
+            link=link,
+        )
+        self.node, self.metrics, self.admission = self.member.node, self.member.metrics, self.member.admission
         compute = build_compute(run, stage, self.settings, self.metrics)  # module, optimizer, limits
         self.device, self.module, self.optimizer = compute.device, compute.module, compute.optimizer
         self.role: StageRole = self.module.role
@@ -95,15 +104,6 @@ class Worker:
         self._phase_seen = self.phases.phase  # the phase _phase_changed last saw
         self.serving_rounds = 0  # averaging rounds that averaged something since it last began serving
         self._set_phase_metric(self.phases.phase)
-        self.node = node or RunNode(
-            run=run,
-            key=key,
-            metrics=self.metrics,
-            listen=listen,
-            bootstrap=bootstrap,
-            advertise=advertise,
-            link=link,
-        )
         self.server, self.client, self.dht = self.node.server, self.node.client, self.node.dht
         same_stage = only(("worker",), stage=stage)  # who may call what, in an authorized run
         for method, handler, access in (

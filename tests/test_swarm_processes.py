@@ -1,13 +1,16 @@
-"""`swarm.py down` and `kill-worker` act on the processes the swarm started, never on another
-process that got one of their pids after they ended (pids come round again quickly on a busy
-machine: a benchmark's tokenizing worker, say)."""
+"""The local swarm's processes: `swarm.py down` and `kill-worker` act on the processes the swarm
+started, never on another process that got one of their pids after they ended (pids come round
+again quickly on a busy machine: a benchmark's tokenizing worker, say); runs starting together
+share the checkout's shards without writing them twice."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+from agora_devkit.runs import tiny_run_toml
 from agora_localswarm.processes import Member, SwarmFile, alive, kill_last_worker, process_start, stop_all
+from agora_trainer.data.shards import open_shard_set
 
 
 def start_sleeper() -> subprocess.Popen:
@@ -47,3 +50,28 @@ def test_down_still_stops_the_members_it_started(tmp_path):
     finally:
         member.kill()
         member.communicate(timeout=10)
+
+
+ENSURE = "import sys; from pathlib import Path; from agora_localswarm.cli import ensure_shards; ensure_shards(Path(sys.argv[1]), sys.argv[2], 64)"
+
+
+def test_runs_starting_at_once_make_the_shared_shards_once(tmp_path):
+    """Two runs of the checkout start together and both need its shards: one makes them while
+    the other waits for the lock, then finds them (two writers renamed each other's files)."""
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_run_toml("shared-shards"))
+    shards = tmp_path / "shards" / "bytes"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENSURE, str(shards), str(config)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    assert sum("making data shards" in out for out in outs) == 1, outs
+    assert open_shard_set(shards, "train").shards and open_shard_set(shards, "validation").shards

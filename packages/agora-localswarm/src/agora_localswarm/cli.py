@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -103,21 +105,52 @@ def default_shards_dir(data: DataConfig) -> Path:
 
 def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
     """Make shards unless ``shards`` holds ``min_samples`` training samples and a validation
-    split, made with the run's tokenizer."""
+    split, made with the run's tokenizer. The folder is shared by every run of the checkout:
+    one process at a time checks and makes it (a lock file beside it), so two starting at
+    once never write the same shard files; the second finds the first's set."""
+    shards.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(shards.parent / f".{shards.name}.lock", shards):
+        if _has_shards(shards, config, min_samples):
+            return
+        run = load_run_config(config)
+        # Text for the samples asked (at most 4 bytes per token of a small BPE; 1 for bytes), 8 MB at least.
+        max_mb = max(8.0, min_samples * run.model.seq_len * 4 * 1.25 / 1e6)
+        click.echo(f"making data shards in {shards} from the Python standard library's sources ...")
+        command = checkout.tool("make_shards.py", str(shards), "--config", config)
+        command += [
+            "--shards",
+            "8",
+            "--max-mb",
+            f"{max_mb:g}",
+            "--validation-fraction",
+            str(VALIDATION_FRACTION),
+        ]
+        subprocess.run(command, check=True)
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path, shards: Path) -> Iterator[None]:
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            click.echo(f"waiting for another process making the shards in {shards} ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when that process's make_shards ends
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _has_shards(shards: Path, config: str, min_samples: int) -> bool:
     run = load_run_config(config)
-    seq_len = run.model.seq_len
     with contextlib.suppress(DataError):
         train = open_shard_set(shards, "train")
         check_run_tokenizer(train.tokenizer, run.data, run.model.vocab_size, where=str(shards))
         held_out = open_shard_set(shards, "validation", verify=False)  # evaluate.py verifies it
-        if sum(s.sample_count(seq_len) for s in train.shards) >= min_samples and held_out.shards:
-            return
-    # Text for the samples asked (at most 4 bytes per token of a small BPE; 1 for bytes), 8 MB at least.
-    max_mb = max(8.0, min_samples * seq_len * 4 * 1.25 / 1e6)
-    click.echo(f"making data shards in {shards} from the Python standard library's sources ...")
-    command = checkout.tool("make_shards.py", str(shards), "--config", config)
-    command += ["--shards", "8", "--max-mb", f"{max_mb:g}", "--validation-fraction", str(VALIDATION_FRACTION)]
-    subprocess.run(command, check=True)
+        enough = sum(s.sample_count(run.model.seq_len) for s in train.shards) >= min_samples
+        return enough and bool(held_out.shards)
+    return False
 
 
 def trainer_ranges(shards: Path, index: int, trainers: int) -> str:

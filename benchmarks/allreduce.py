@@ -7,7 +7,8 @@ Figures:
   (a) time to average a --megabytes float32 vector among --peers processes on loopback, vs
       gloo ``all_reduce`` of the same tensor among the same number of processes (same run,
       interleaved rounds, medians; each round's time is its slowest peer's); also vs gloo
-      doing the same job as Agora, a sample-weighted mean (multiply, all_reduce, divide)
+      doing the same job as Agora, a sample-weighted mean (multiply, all_reduce, divide); and
+      the robust round workers run (clipped, bounded, capped) vs the plain weighted mean
   (b) the same under link emulation (every peer's access link: 200 Mbit/s up and down, 40 ms
       one way), vs the lower bound that link sets: the bytes the busiest peer had to upload
       (measured on its sockets) / bandwidth. Any all-reduce uploads at least 2 (N-1)/N of the
@@ -42,16 +43,17 @@ import numpy as np
 
 import _harness
 from _report import Report  # benchmarks/ is on sys.path when a benchmark runs as a script
-from agora_core.config.run import TransportConfig
+from agora_core.config.run import AveragingConfig, TransportConfig
 from agora_core.contract import Phase
 from agora_core.node.allocator import tune_for_large_messages
 from agora_core.node.run_node import rpc_config
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.rpc.linkemu import LinkConfig, LinkEmulator
 from agora_devkit.processes import ChildProcess, spawn_python
-from agora_worker.averaging.allreduce import all_reduce
+from agora_worker.averaging.allreduce import RoundGuard, all_reduce
 from agora_worker.averaging.board import ReductionBoard
 from agora_worker.averaging.matchmaking import Group, Peer
+from agora_worker.averaging.robust import DriftHistory
 
 SCRIPT = str(Path(__file__).resolve())
 LINK = "up=200M,down=200M,latency=40ms"
@@ -76,13 +78,18 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
     tune_for_large_messages()  # as `agora-worker run` does at start
     link = LinkEmulator(LinkConfig.parse(link_spec)) if link_spec else None
     rpc = rpc_config(TransportConfig(chunk_bytes=chunk_bytes))  # as a worker's node builds it
+    me = f"peer{index}"
     server = RpcServer(listen="127.0.0.1:0", config=rpc, link=link)
-    client = RpcClient(config=rpc, link=link)
+    client = RpcClient(config=rpc, link=link, node_id=me)  # reducers take a sender's chunks from it only
     board = ReductionBoard(server, early_wait_s=60.0, stage=0)  # an open run: access is not checked
     print(f"ADDRESS {await server.start()}", flush=True)
     values = np.random.default_rng(index).standard_normal(values_count, dtype=np.float32)
     loop = asyncio.get_running_loop()
-    me = f"peer{index}"
+    defaults = AveragingConfig()  # a worker's robustness, its history kept across rounds
+    guard = RoundGuard(
+        reducing=DriftHistory(multiplier=defaults.clip_multiplier, rounds=defaults.clip_history_rounds),
+        receiving=DriftHistory(multiplier=defaults.clip_multiplier, rounds=defaults.clip_history_rounds),
+    )
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         command = json.loads(line)
         group = Group(
@@ -114,7 +121,10 @@ async def serve_agora(index: int, values_count: int, chunk_bytes: int, link_spec
             chunk_values=chunk_bytes // 4,
             chunk_timeout_s=command["chunk_timeout_s"],
             deadline=started + command["timeout_s"],
+            guard=guard if command.get("robust") else None,
         )
+        if command.get("robust"):
+            guard.close_round()
         outcome = {
             "seconds": time.monotonic() - started,
             "averaged": result.averaged_fraction,
@@ -204,8 +214,11 @@ class Swarm:
         timeout_s=150.0,
         chunk_timeout_s=30.0,
         weighted=False,
+        robust=False,
     ):
-        """One round; returns each live peer's outcome (None for the peers that died)."""
+        """One round; returns each live peer's outcome (None for the peers that died).
+        ``robust``: Agora peers clip, bound and cap (a worker's round) instead of taking a
+        plain weighted mean."""
         self.round += 1
         die = die or {}
         start_at = time.monotonic() + START_LEAD_S
@@ -219,6 +232,7 @@ class Swarm:
                 "chunk_timeout_s": chunk_timeout_s,
                 "die_after_s": die.get(i),
                 "weighted": weighted,  # gloo peers: a weighted mean instead of a bare all_reduce
+                "robust": robust,
             }
             child.proc.stdin.write((json.dumps(command) + "\n").encode())
             child.proc.stdin.flush()
@@ -252,16 +266,18 @@ def loopback_figures(report: Report, args: argparse.Namespace) -> None:
         gloo = Swarm.gloo(stack, n, values_count)
         report.note("a warm-up round of each")
         agora.run()  # warm up connections and allocators, then measure
+        agora.run(robust=True)
         gloo.run()
-        ours, theirs, weighted = [], [], []
+        ours, robust, theirs, weighted = [], [], [], []
         for r in range(args.rounds):
             report.note(f"round {r + 1} of {args.rounds} on loopback")
             ours.append(slowest(agora.run()))
+            robust.append(slowest(agora.run(robust=True)))
             theirs.append(slowest(gloo.run()))
             weighted.append(slowest(gloo.run(weighted=True)))
             report.note(
-                f"round {r + 1}: agora {ours[-1]:.3f} s, gloo all_reduce {theirs[-1]:.3f} s, "
-                f"gloo weighted mean {weighted[-1]:.3f} s"
+                f"round {r + 1}: agora {ours[-1]:.3f} s (robust {robust[-1]:.3f} s), "
+                f"gloo all_reduce {theirs[-1]:.3f} s, gloo weighted mean {weighted[-1]:.3f} s"
             )
         report.compare(
             "loopback_average_seconds",
@@ -275,6 +291,13 @@ def loopback_figures(report: Report, args: argparse.Namespace) -> None:
             statistics.median(ours),
             statistics.median(weighted),
             "s (vs gloo: weights applied, all_reduce, divided by the total weight)",
+        )
+        report.compare(
+            "robust_vs_plain_round_seconds",
+            statistics.median(robust),
+            statistics.median(ours),
+            "s (clipped, bounded and capped, as workers average, vs a plain weighted mean)",
+            target="ratio <= 1.15",
         )
 
 

@@ -21,6 +21,8 @@ from agora_core.identity import NodeKey
 from agora_core.rpc import RpcClient
 from agora_devkit.processes import ChildProcess, poll_until, spawn_python
 from agora_devkit.runs import tiny_run_toml
+from agora_worker.averaging.allreduce import slice_bounds
+from agora_worker.averaging.robust import MIN_HISTORY_ROUNDS
 from agora_worker.averaging.segments import SegmentLayout
 
 pytestmark = pytest.mark.slow
@@ -28,7 +30,9 @@ STAGE = 1
 DUMMY = 400_000
 
 
-def run_toml(*, window: float, reducers: str, reducer_ids: list[str], chunk_bytes: int) -> str:
+def run_toml(
+    *, window: float, reducers: str, reducer_ids: list[str], chunk_bytes: int, segments: int = 4
+) -> str:
     """The averaging tests' run: slower gossip than the default tests' (rounds span seconds)."""
     return tiny_run_toml(
         "avg-test",
@@ -42,7 +46,7 @@ def run_toml(*, window: float, reducers: str, reducer_ids: list[str], chunk_byte
         },
         optimizer={"target_batch_size": 8, "warmup_steps": 0, "lr": 0.01},
         averaging={
-            "segments": 4,
+            "segments": segments,
             "cadence_steps": 100000,
             "matchmaking_window_s": window,
             "round_timeout_s": 20.0,
@@ -71,11 +75,17 @@ class Cluster:
             [16, 4, DUMMY], segments=run.averaging.segments, run_seed=run.seed, stage=STAGE
         )
 
-    async def start(self, key_files: list[str], extra: list[list[str]]) -> None:
-        async def one(key_file: str, args: list[str]) -> Replica:
+    async def start(
+        self, key_files: list[str], extra: list[list[str]], attacks: dict[int, str] | None = None
+    ) -> None:
+        """``attacks``: replica index -> the lie it tells (``agora_devkit.attacker``)."""
+        attacks = attacks or {}
+
+        async def one(index: int, key_file: str, args: list[str]) -> Replica:
+            program = ["agora_devkit.attacker", attacks[index]] if index in attacks else ["agora_worker"]
             command = [
                 "-m",
-                "agora_worker",
+                *program,
                 "run",
                 "--config",
                 str(self.config_path),
@@ -99,7 +109,9 @@ class Cluster:
             return Replica(child, node_id, address)
 
         self.replicas = list(
-            await asyncio.gather(*(one(k, a) for k, a in zip(key_files, extra, strict=True)))
+            await asyncio.gather(
+                *(one(i, k, a) for i, (k, a) in enumerate(zip(key_files, extra, strict=True)))
+            )
         )
 
     async def call(self, replica: Replica, method: str, meta=None, tensors=None, timeout_s: float = 30):
@@ -128,16 +140,19 @@ class Cluster:
         reply = await self.call(replica, "worker.parameters")
         return np.array(reply.tensors["values"]), reply.meta["total_samples"]
 
-    async def train_to_first_step(self, samples: list[int]) -> None:
-        """Each replica trains on its own samples; the stage steps once when they add up."""
+    async def train_to_first_step(self, samples: list[int], *, step: int = 1, seed: int = 0) -> None:
+        """Each replica trains on its own samples; the stage steps (to ``step``) when they add up."""
         await asyncio.gather(
-            *(self.train(r, n, seed=i) for i, (r, n) in enumerate(zip(self.replicas, samples, strict=True)))
+            *(
+                self.train(r, n, seed=seed + i)
+                for i, (r, n) in enumerate(zip(self.replicas, samples, strict=True))
+            )
         )
 
         async def stepped():
-            return all(info["step"] >= 1 for info in await self.infos())
+            return all(info["step"] >= step for info in await self.infos())
 
-        await self.wait(stepped, "the stage's first step")
+        await self.wait(stepped, f"the stage's step {step}")
 
     async def ready(self, key_files: list[str], extra: list[list[str]], samples: list[int]) -> list:
         """Start the replicas, train them to the stage's first step; their (values, samples)."""
@@ -171,6 +186,7 @@ async def cluster(
     reducers: str = "all",
     reducer_ids: list[str] = (),
     chunk_bytes: int = 8192,
+    segments: int = 4,
 ):
     config = tmp_path / "run.toml"
     config.write_text(
@@ -179,6 +195,7 @@ async def cluster(
             reducers=reducers,
             reducer_ids=[str(i) for i in reducer_ids],
             chunk_bytes=chunk_bytes,
+            segments=segments,
         )
     )
     run = load_run_config(config)
@@ -349,3 +366,55 @@ async def test_a_peer_that_comes_late_is_excluded_and_keeps_its_weights(tmp_path
         np.testing.assert_allclose(
             (await c.params(c.replicas[0]))[0][mask], expected[mask], rtol=1e-5, atol=1e-6
         )
+
+
+def slice_owners(c: Cluster, segment: int, ids: list[str]) -> list[tuple[np.ndarray, str]]:
+    """The flat indices of each slice of ``segment`` and the node id that reduces it (every
+    replica reduces: one slice each, in node-id order)."""
+    indices = np.concatenate([np.arange(start, stop) for start, stop in c.layout.ranges(segment)])
+    owners = sorted(ids)
+    bounds = slice_bounds(len(indices), len(owners))
+    return [(indices[lo:hi], owner) for (lo, hi), owner in zip(bounds, owners, strict=True)]
+
+
+def rms(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
+
+
+@pytest.mark.parametrize("attack", ["scaled", "sign_flip", "noise", "weight"])
+async def test_a_replica_that_turns_liar_moves_the_honest_ones_no_further_than_the_clip(tmp_path, attack):
+    """Four replicas train apart a little (each steps on its own gradients) and average their
+    weights (one segment) honestly, round after round, until each block has a history; then
+    replica 3 lies (agora_devkit.attacker): its values scaled, flipped or noisy, or its weight
+    inflated. The honest three end near their own mean, with the liar named in their evidence
+    and no honest peer in it; an inflated weight counts as the cap, 4x the reducer's own."""
+    async with cluster(tmp_path, segments=1) as c:
+        paths, ids = keys(tmp_path, 4)
+        await c.start(paths, [[]] * 4, attacks={3: f"{attack}@{MIN_HISTORY_ROUNDS}"})
+        for index in range(MIN_HISTORY_ROUNDS + 1):
+            await c.train_to_first_step([2, 2, 2, 2], step=index + 1, seed=10 * index)
+            if index < MIN_HISTORY_ROUNDS:  # honest rounds: every block seen this often
+                await c.round(c.replicas, index)
+        values = [(await c.params(r))[0] for r in c.replicas]
+        segment = 0
+        reports = await c.round(c.replicas, MIN_HISTORY_ROUNDS)
+        mask = c.segment_mask(segment)
+        honest_mean = weighted_mean(values[:3], [2.0] * 3)
+        spread = max(rms(v[mask], honest_mean[mask]) for v in values[:3])
+        assert spread > 0  # they trained apart
+        liar, honest_ids = ids[3], set(ids[:3])
+        for replica, report in zip(c.replicas[:3], reports[:3], strict=True):
+            new, _ = await c.params(replica)
+            # its own distance, plus at most clip_multiplier (4) typical differences where the
+            # liar reduces and a clipped share elsewhere; a lie taken whole moves it ~|w| (~1)
+            assert rms(new[mask], honest_mean[mask]) <= 6 * spread, attack
+            clipped = (await c.info(replica))["averaging"]["clipped"]
+            assert not honest_ids & clipped.keys(), clipped  # no honest peer is clipped
+            if attack != "weight":
+                assert liar in clipped and report["clipped"] > 0, (attack, clipped)
+        if attack == "weight":  # an honest reducer's slice: the liar's weight counts as 4 x 2
+            for indices, owner in slice_owners(c, segment, ids):
+                if owner != liar:
+                    expected = weighted_mean([v[indices] for v in values], [2.0, 2.0, 2.0, 8.0])
+                    new, _ = await c.params(c.replicas[ids.index(owner)])
+                    np.testing.assert_allclose(new[indices], expected, rtol=1e-5, atol=1e-6)

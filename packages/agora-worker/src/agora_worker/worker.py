@@ -128,6 +128,7 @@ class Worker:
             config=run.averaging,
             chunk_bytes=run.transport.chunk_bytes,
             record_ttl_s=run.dht.record_ttl_s,
+            target_batch_size=run.optimizer.target_batch_size,
             run_name=run.name,
             seed=run.seed,
             stage=stage,

@@ -187,6 +187,15 @@ class AveragingConfig:
     # Who may reduce: "all" peers, or only the node ids listed in ``reducer_ids``.
     reducers: Literal["all", "listed"] = "all"
     reducer_ids: tuple[str, ...] = ()
+    # Robustness to lying peers: a sender's chunk counts at most clip_multiplier times the
+    # honest drift per value from the reducer's own copy (this round's lower median of the
+    # other senders' with two or more, else that block's median over its last
+    # clip_history_rounds visits), a reducer's difference at most as much at the sender (0:
+    # off); a declared weight at most weight_ratio times the reducer's own (0: only the cap of
+    # two rounds of the stage's samples).
+    clip_multiplier: float = 4.0
+    clip_history_rounds: int = 16
+    weight_ratio: float = 4.0
     # Keys older configs set here; an error says where they live now.
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "chunk_bytes": "transport.chunk_bytes",
@@ -199,6 +208,13 @@ class AveragingConfig:
         require(self.cadence_steps >= 1, "cadence_steps", "must be >= 1")
         for name in ("matchmaking_window_s", "round_timeout_s", "chunk_timeout_s"):
             require(getattr(self, name) > 0, name, "must be positive")
+        require(
+            self.clip_multiplier == 0 or self.clip_multiplier >= 1,
+            "clip_multiplier",
+            "must be 0 (off) or >= 1",
+        )
+        require(self.clip_history_rounds >= 1, "clip_history_rounds", "must be >= 1")
+        require(self.weight_ratio >= 0, "weight_ratio", "must be >= 0")
         require(
             self.round_timeout_s > self.matchmaking_window_s,
             "round_timeout_s",

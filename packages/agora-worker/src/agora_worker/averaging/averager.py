@@ -4,11 +4,13 @@ Every ``cadence_steps`` optimizer steps a round starts: it snapshots its segment
 the compute thread, forms a group through the DHT, runs the butterfly all-reduce while
 training continues, and applies the delta rule: theta[I] += (average - theta*[I]) under the
 optimizer's lock, so progress made during the round is kept. Optimizer state never travels.
+Rounds are robust to lying peers (:mod:`.robust`); what was clipped is kept as evidence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,13 +28,16 @@ from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.schema import WorkerAnnouncement, averaging_summary_key, parse_entries, stage_workers_key
-from agora_worker.averaging.allreduce import ReductionBoard, all_reduce
+from agora_worker.averaging.allreduce import ReductionBoard, RoundGuard, all_reduce
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
+from agora_worker.averaging.robust import Clipped, DriftHistory, weight_cap
 from agora_worker.averaging.segments import FlatParameters, SegmentLayout
 from agora_worker.optimizer.host import HostOptimizer
 from agora_worker.serving.runtime import Runtime
 
 log = get_logger("worker.averaging")
+
+EVIDENCE_KEPT = 1024  # clipped contributions remembered, newest last
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class RoundReport:
     # ||average - own|| / ||own|| over the part of its segment that was averaged: how far this
     # replica stood from its group (a replica its stage does not recognise stands far off)
     distance: float = 0.0
+    clipped: int = 0  # contributions this peer clipped (as reducer) or bounded (as sender)
 
 
 class Averager:
@@ -61,6 +67,7 @@ class Averager:
         config: AveragingConfig,
         chunk_bytes: int,  # [transport] chunk_bytes: one averaging chunk per wire chunk
         record_ttl_s: float,  # [dht] record_ttl_s: how long its matchmaking entries and summaries live
+        target_batch_size: int,  # [optimizer]'s: with cadence_steps, a round's samples (weight cap)
         run_name: str,
         seed: int,
         stage: int,
@@ -78,7 +85,13 @@ class Averager:
         on_round: Callable[[RoundReport], None] | None = None,  # after every round, with its report
     ):
         self.config = config
+        self._target_batch_size = target_batch_size
         self._injections = injections
+        self.guard = RoundGuard(
+            reducing=DriftHistory(multiplier=config.clip_multiplier, rounds=config.clip_history_rounds),
+            receiving=DriftHistory(multiplier=config.clip_multiplier, rounds=config.clip_history_rounds),
+        )
+        self.evidence: collections.deque[Clipped] = collections.deque(maxlen=EVIDENCE_KEPT)
         self.chunk_values = max(1, chunk_bytes // 4)  # float32 values per streamed chunk
         self._run_name, self._stage, self._key = run_name, stage, key
         self._dht, self._client = dht, client
@@ -114,6 +127,11 @@ class Averager:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 150, 300),
         )
         self._m_bytes = metrics.counter("agora_averaging_bytes_total", "Bytes this peer streamed in rounds.")
+        self._m_clipped = metrics.counter(
+            "agora_averaging_clipped_total",
+            "Contributions cut down: a sender's chunk clipped here, or a reducer's difference bounded.",
+            ["peer_role"],
+        )
 
     @property
     def reducer_eligible(self) -> bool:
@@ -157,6 +175,8 @@ class Averager:
             "heard_from": sorted({s for r in reductions for s in r.heard_from}),
             "rounds": len(self.reports),
             "last": asdict(self.reports[-1]) if self.reports else None,
+            # evidence kept: peer -> contributions of it clipped here (as sender or reducer)
+            "clipped": dict(collections.Counter(c.peer for c in self.evidence)),
         }
 
     async def run_round(self, round_index: int) -> RoundReport:
@@ -216,6 +236,14 @@ class Averager:
             )
         self.active_group_size = len(group.members)
         formed = world.monotonic()
+        self.guard.segment = segment
+        self.guard.weight_cap = weight_cap(
+            own=weight,
+            members=len(group.members),
+            cadence_steps=self.config.cadence_steps,
+            target_batch_size=self._target_batch_size,
+            ratio=self.config.weight_ratio,
+        )
         result = await all_reduce(
             board=self.board,
             client=self._client,
@@ -226,7 +254,10 @@ class Averager:
             chunk_timeout_s=self.config.chunk_timeout_s,
             deadline=deadline,
             injections=self._injections,
+            guard=self.guard,
         )
+        self.guard.close_round()
+        self._keep_evidence(result.evidence)
         applied_at, distance = await asyncio.wrap_future(
             self._runtime.call(lambda: self._apply(ranges, result.pieces, snapshot))
         )
@@ -243,8 +274,26 @@ class Averager:
             reducers=len(group.reducers),
             allreduce_s=world.monotonic() - formed,
             distance=distance,
+            clipped=len(result.evidence),
         )
         return self._finish(report)
+
+    def _keep_evidence(self, evidence: list[Clipped]) -> None:
+        if not evidence:
+            return
+        self.evidence.extend(evidence)
+        for clipped in evidence:
+            self._m_clipped.labels(peer_role=clipped.role).inc()
+        worst = max(evidence, key=lambda c: c.rms / c.radius if c.radius else float("inf"))
+        log.warning(
+            "averaging_clipped",
+            round=worst.round,
+            count=len(evidence),
+            peers=sorted({c.peer[:12] for c in evidence}),
+            worst_peer=worst.peer[:12],
+            worst_rms=worst.rms,
+            radius=worst.radius,
+        )
 
     def _apply(self, ranges, pieces: list[tuple[int, np.ndarray]], snapshot: np.ndarray) -> tuple[int, float]:
         """The delta rule, on the compute thread, under the optimizer's lock; returns the step

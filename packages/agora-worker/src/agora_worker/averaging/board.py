@@ -106,6 +106,8 @@ class ReductionBoard:
         reduction = self.reductions.get((round_index, index))
         if reduction is None:
             raise BadRequest(f"this peer does not reduce slice {index} of round {round_index}")
+        if sender != stream.request.sender:  # authenticated in an authorized run
+            raise BadRequest(f"a stream from {stream.request.sender[:12]!r} cannot send as {sender[:12]!r}")
         if digest != reduction.group.digest or sender not in reduction.senders:
             raise BadRequest(f"excluded from round {round_index}: you formed a different group (late?)")
         return await serve_slice(stream, reduction, sender)

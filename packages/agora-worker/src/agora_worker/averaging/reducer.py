@@ -3,7 +3,9 @@
 Chunks of the slice arrive from every sender of the group (:mod:`.board` feeds remote ones in,
 :mod:`.sender` this peer's own); once a chunk has come in from every live sender, the weighted
 average is taken and each sender's difference (average minus its chunk) is queued in its
-outbox. No networking here: the reduction is driven by calls and read through its outboxes.
+outbox. The average is robust (:mod:`.robust`): other senders' chunks are clipped to a radius
+around this peer's own, and their declared weights capped. No networking here: the reduction
+is driven by calls and read through its outboxes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from agora_core import world
 from agora_core.observability.logs import get_logger
 from agora_worker.averaging.matchmaking import Group
+from agora_worker.averaging.robust import Clipped, DriftHistory, block_key, clip_factor, rms_distance
 
 log = get_logger("worker.averaging")
 
@@ -46,6 +49,12 @@ class SliceReduction:
     chunk_timeout_s: float
     deadline: float  # world.monotonic() by which the round ends, reduced or not
     clock: Callable[[], float] = lambda: world.monotonic()  # when chunks arrive (tests drive their own)
+    # Robustness (.robust): this peer's id (its chunks are the centre other senders are clipped
+    # around; None: a plain weighted mean), its drift history (the radius), the weight cap.
+    me: str | None = None
+    drift: DriftHistory | None = None
+    segment: int = 0  # the round's segment: with the chunk's start, its drift history's key
+    weight_cap: float = float("inf")
     # chunk -> sender -> (its values, whether its difference may overwrite them)
     _inputs: dict[int, dict[str, tuple[np.ndarray, bool]]] = field(default_factory=dict)
     _last_heard: dict[str, float] = field(default_factory=dict)  # sender -> its latest input (or the start)
@@ -55,6 +64,7 @@ class SliceReduction:
     received: int = 0  # (sender, chunk) inputs that arrived in time
     heard_from: set[str] = field(default_factory=set)  # senders with at least one input in
     wire_bytes: int = 0  # chunks streamed in from other peers plus differences streamed back
+    clipped: list[Clipped] = field(default_factory=list)  # evidence: contributions clipped here
 
     def __post_init__(self) -> None:
         self.done = asyncio.Event()  # every chunk averaged (or given up on)
@@ -128,12 +138,47 @@ class SliceReduction:
             if owed:
                 self.ban(sender, f"sent no chunk for {self.chunk_timeout_s:g} s (owes chunk {owed[0]})")
 
-    def _shares(self, live: list[str]) -> list[np.float32]:
-        """Each live sender's weight over the live total (a plain mean if nobody has samples)."""
-        total = sum(self.senders[s] for s in live)
+    def _weight(self, sender: str) -> float:
+        declared = self.senders[sender]
+        return declared if sender == self.me else min(declared, self.weight_cap)
+
+    def _shares(self, live: list[str]) -> list[float]:
+        """Each live sender's (capped) weight over the live total (a plain mean if nobody has
+        samples)."""
+        weights = [self._weight(s) for s in live]
+        total = sum(weights)
         if total <= 0:
-            return [np.float32(1.0 / len(live))] * len(live)
-        return [np.float32(self.senders[s] / total) for s in live]
+            return [1.0 / len(live)] * len(live)
+        return [w / total for w in weights]
+
+    def _clip(self, index: int, live: list[str], values: list[np.ndarray], shares: list[float]) -> None:
+        """Self-centred clipping of chunk ``index``: each other sender's share shrinks by its
+        clip factor, the rest going to this peer's own values (the centre)."""
+        if self.me not in live or self.drift is None or not self.drift.enabled:
+            return
+        mine = live.index(self.me)
+        centre = values[mine]
+        scratch = np.empty(max(1, min(len(centre), BLOCK_VALUES)), np.float32)
+        distances = {i: rms_distance(values[i], centre, scratch) for i in range(len(live)) if i != mine}
+        key = block_key(self.segment, self.chunks[index][0], self.chunk)
+        radius = self.drift.radius(key, [d for d in distances.values() if np.isfinite(d)])
+        for i, rms in distances.items():
+            factor = clip_factor(rms, radius)
+            if factor >= 1.0:
+                self.drift.observe(key, rms)
+                continue
+            shares[mine] += shares[i] * (1.0 - factor)
+            shares[i] *= factor
+            evidence = Clipped(
+                round=self.group.round,
+                slice=self.slice_index,
+                chunk=index,
+                peer=live[i],
+                role="sender",
+                rms=rms,
+                radius=radius,
+            )
+            self.clipped.append(evidence)
 
     def _try_finish(self, index: int) -> None:
         inputs = self._inputs.get(index, {})
@@ -144,7 +189,9 @@ class SliceReduction:
         # A received buffer takes its sender's difference in place; the reducer's own values
         # (its snapshot) get a new one.
         outs = [v if reusable else np.empty_like(v) for v, reusable in (inputs[s] for s in live)]
-        _average_minus_each(values, self._shares(live), outs)
+        shares = self._shares(live)
+        self._clip(index, live, values, shares)
+        _average_minus_each(values, [np.float32(share) for share in shares], outs)
         for sender, difference in zip(live, outs, strict=True):
             self.outboxes[sender].put_nowait((index, difference))
         self._done.add(index)
@@ -156,15 +203,17 @@ class SliceReduction:
 
 
 def _average_minus_each(values: list[np.ndarray], shares: list[np.float32], outs: list[np.ndarray]) -> None:
-    """outs[i] = sum_j shares[j] * values[j] - values[i]; an out may be its own values' buffer."""
+    """outs[i] = sum_j shares[j] * values[j] - values[i]; an out may be its own values' buffer.
+    Values of share 0 stay out of the sum (a clipped-out chunk may hold NaN)."""
     length = len(values[0])
     block = max(1, min(BLOCK_VALUES, length))
     average, term = np.empty(block, np.float32), np.empty(block, np.float32)
+    counted = [(array, share) for array, share in zip(values, shares, strict=True) if share != 0]
     for lo in range(0, length, block):
         hi = min(lo + block, length)
         mean, scratch = average[: hi - lo], term[: hi - lo]
-        np.multiply(values[0][lo:hi], shares[0], out=mean)
-        for array, share in zip(values[1:], shares[1:], strict=True):
+        mean.fill(0.0)
+        for array, share in counted:
             np.add(mean, np.multiply(array[lo:hi], share, out=scratch), out=mean)
         for array, out in zip(values, outs, strict=True):  # each block read back while cached
             np.subtract(mean, array[lo:hi], out=out[lo:hi])

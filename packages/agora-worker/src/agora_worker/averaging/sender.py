@@ -2,7 +2,8 @@
 
 One stream per (sender, slice) carries chunks to the reducer and differences back, both at
 once. Where this peer reduces the slice itself, its copy goes straight into the local
-:class:`~agora_worker.averaging.reducer.SliceReduction`, with no stream.
+:class:`~agora_worker.averaging.reducer.SliceReduction`, with no stream. What a remote reducer
+returns is bounded once the round's differences are all in (:mod:`.robust`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SliceResult:
     pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (start, average - sent)
     returned: set[int] = field(default_factory=set)  # chunks whose difference came back
     excluded: bool = False  # the reducer refused this peer's group
+    chunks: list[int] = field(default_factory=list)  # the chunk index of each piece
     wire_bytes: int = 0  # chunks streamed to a remote reducer plus differences streamed back
 
 
@@ -60,8 +62,9 @@ async def contribute(
         lo, hi = chunks[index]
         if difference.shape != (hi - lo,):
             raise ValueError(f"chunk {index} difference must hold {hi - lo} values, got {difference.shape}")
-        result.pieces.append((lo, difference))
         result.returned.add(index)
+        result.pieces.append((lo, difference))
+        result.chunks.append(index)
 
     reduction = local()
     if reduction is not None:  # this peer reduces the slice itself
@@ -96,8 +99,8 @@ async def contribute(
             try:
                 async for item in stream:
                     difference = np.asarray(item.tensors["delta"], dtype=np.float32)
-                    take(item.meta["chunk"], difference)
                     result.wire_bytes += difference.nbytes
+                    take(item.meta["chunk"], difference)
                 await stream.result()
             finally:
                 sender.cancel()

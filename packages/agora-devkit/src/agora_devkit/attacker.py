@@ -1,0 +1,86 @@
+"""A worker that lies in its averaging rounds, for the attacker tests and benchmarks.
+
+``python -m agora_devkit.attacker ATTACK[@ROUND] [agora-worker arguments...]`` runs
+``agora-worker`` with one lie patched into its averaging (from round ROUND on: a peer that
+turns after its replicas know it) and nothing else changed: it serves, trains, joins and
+announces honestly. The lies:
+
+- ``scaled``: every value it sends (and the centre of every slice it reduces) times 3;
+- ``sign_flip``: its values negated;
+- ``noise``: its values plus Gaussian noise of the values' own RMS;
+- ``push``: its values plus a small fixed step (``PUSH_PER_VALUE``) in one direction, every
+  round: too small for clipping to tell from drift;
+- ``weight``: honest values under a declared weight of ``INFLATED_WEIGHT`` samples.
+
+agora-devkit is never a dependency of a role: no installed worker can run this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+INFLATED_WEIGHT = 1e9
+PUSH_PER_VALUE = 1e-3
+SCALE = 3.0
+
+
+def _noise(values: np.ndarray) -> np.ndarray:
+    rms = float(np.sqrt(np.mean(values.astype(np.float64) ** 2))) if len(values) else 0.0
+    rng = np.random.default_rng()
+    return values + rng.normal(0.0, rms or 1.0, len(values)).astype(np.float32)
+
+
+VALUE_LIES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "scaled": lambda values: values * np.float32(SCALE),
+    "sign_flip": lambda values: -values,
+    "noise": _noise,
+    "push": lambda values: values + np.float32(PUSH_PER_VALUE),
+}
+ATTACKS = (*VALUE_LIES, "weight")
+
+
+def patch(attack: str, from_round: int = 0) -> None:
+    """Patch ``attack`` into this process's averaging (before the worker starts), for rounds
+    ``from_round`` on."""
+    from agora_worker.averaging import allreduce, matchmaking
+
+    if attack in VALUE_LIES:
+        lie, honest = VALUE_LIES[attack], allreduce.contribute
+
+        async def contribute(*, values: np.ndarray, group, **kwargs):
+            if group.round >= from_round:
+                values = lie(np.asarray(values, np.float32))
+            return await honest(values=values, group=group, **kwargs)
+
+        allreduce.contribute = contribute
+    elif attack == "weight":
+        form_group = matchmaking.Matchmaker.form_group
+
+        async def inflated(self, round_index, me, **kwargs):
+            if round_index >= from_round:
+                me = dataclasses.replace(me, weight=INFLATED_WEIGHT)
+            return await form_group(self, round_index, me, **kwargs)
+
+        matchmaking.Matchmaker.form_group = inflated
+    else:
+        raise SystemExit(f"unknown attack {attack!r}: one of {', '.join(ATTACKS)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if args else 2)
+    attack, _, from_round = args[0].partition("@")
+    patch(attack, int(from_round or 0))
+    from agora_worker.cli import main as worker_main
+
+    worker_main(args[1:], prog_name="agora-worker")
+
+
+if __name__ == "__main__":
+    main()

@@ -105,9 +105,9 @@ class DrivenSwarm:
             self.wait_serving(member, proc)
         self.trainer_dir = self.shards  # one trainer reads every shard
 
-    def start_worker(self, stage: int | None):
+    def start_worker(self, stage: int | None, program: tuple[str, ...] = ("agora_worker",)):
         with self.lock:
-            return processes.start_worker(self.swarm, stage, self.worker_args)
+            return processes.start_worker(self.swarm, stage, self.worker_args, program)
 
     def next_worker_key(self) -> NodeKey:
         """The key the next started worker will run with (its node id, known before it starts)."""

@@ -202,14 +202,21 @@ def key_file(swarm: SwarmFile, name: str) -> Path:
     return Path(swarm.run_dir) / "keys" / f"{name}.key"
 
 
-def _worker_args(swarm: SwarmFile, stage: int | None, name: str, extra: tuple[str, ...]) -> list[str]:
-    """An open swarm's worker serves ``stage``; an authorized swarm's is placed (or pinned)."""
+def _worker_args(
+    swarm: SwarmFile,
+    stage: int | None,
+    name: str,
+    extra: tuple[str, ...],
+    program: tuple[str, ...] = ("agora_worker",),
+) -> list[str]:
+    """An open swarm's worker serves ``stage``; an authorized swarm's is placed (or pinned).
+    ``program``: the module run (and its first arguments) in place of ``agora_worker``."""
     run_dir = Path(swarm.run_dir)
     flags, _ = swarm.node_flags()
     placement = flags if swarm.authorized else ["--stage", str(stage)]
     return [
         "-m",
-        "agora_worker",
+        *program,
         "run",
         "--config",
         swarm.config,
@@ -231,10 +238,14 @@ def _worker_args(swarm: SwarmFile, stage: int | None, name: str, extra: tuple[st
 
 
 def start_worker(
-    swarm: SwarmFile, stage: int | None, extra: tuple[str, ...] = ()
+    swarm: SwarmFile,
+    stage: int | None,
+    extra: tuple[str, ...] = (),
+    program: tuple[str, ...] = ("agora_worker",),
 ) -> tuple[Member, subprocess.Popen]:
     """Start the next worker: on ``stage`` (an authorized swarm pins its key there first), or
-    wherever the authorizer places it (``stage`` None; :func:`wait_placed` learns where)."""
+    wherever the authorizer places it (``stage`` None; :func:`wait_placed` learns where).
+    ``program``: what runs it (the benchmarks' attackers: ``agora_devkit.attacker ATTACK``)."""
     if stage is None and not swarm.authorized:
         raise click.ClickException("an open swarm's workers need a stage: nobody places them")
     run_dir = Path(swarm.run_dir)
@@ -243,7 +254,7 @@ def start_worker(
     if swarm.authorized and stage is not None:
         authorizer.pin(run_dir, node_id, stage)
     log = run_dir / "logs" / f"{name}.log"
-    proc = spawn(_worker_args(swarm, stage, name, extra), log, swarm.node_flags()[1])
+    proc = spawn(_worker_args(swarm, stage, name, extra, program), log, swarm.node_flags()[1])
     member = Member(
         "worker", name, proc.pid, str(log), stage=stage, node_id=node_id, started=process_start(proc.pid)
     )

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_HISTORY_ROUNDS = 3  # rounds of recorded drift before the history alone sets a radius
+MIN_HISTORY_ROUNDS = 3  # visits of a block recorded before its history alone sets a radius
 BLOCK_VALUES = 64 * 1024  # distances are taken in blocks this long: each block stays in cache
 
 

@@ -150,8 +150,9 @@ def test_a_non_finite_sender_counts_for_nothing():
 
 def test_a_declared_weight_counts_only_up_to_the_cap():
     own, other = replicas(2)
-    _, moved = reduce(group(10.0, 1e9), {"n0": own, "n1": other}, drift=history(), cap=40.0)
+    reduction, moved = reduce(group(10.0, 1e9), {"n0": own, "n1": other}, drift=history(), cap=40.0)
     np.testing.assert_allclose(moved["n0"], (10 * own + 40 * other) / 50, atol=1e-6)
+    assert [(c.peer, c.role, c.rms, c.radius) for c in reduction.clipped] == [("n1", "weight", 1e9, 40.0)]
     stage = {"members": 4, "cadence_steps": 10, "target_batch_size": 8}  # 80 samples a round
     assert weight_cap(own=30, ratio=4, **stage) == 120  # 4x its own
     assert weight_cap(own=0, ratio=4, **stage) == 80  # 4x a fair share (a quarter of a round)

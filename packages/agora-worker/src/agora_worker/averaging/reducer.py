@@ -73,6 +73,13 @@ class SliceReduction:
         self._last_heard = dict.fromkeys(self.senders, self.clock())
         for node_id in self.senders:
             self.outboxes[node_id] = asyncio.Queue()
+        for node_id, declared in self.senders.items():  # a weight past the cap is evidence too
+            if node_id != self.me and declared > self.weight_cap:
+                self.clipped.append(
+                    Clipped(
+                        self.group.round, self.slice_index, -1, node_id, "weight", declared, self.weight_cap
+                    )
+                )
 
     @property
     def expected_inputs(self) -> int:

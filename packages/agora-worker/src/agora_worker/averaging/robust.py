@@ -51,13 +51,14 @@ BLOCK_VALUES = 64 * 1024  # distances are taken in blocks this long: each block 
 class Clipped:
     """One clipped contribution: ``peer``'s chunk stood ``rms`` per value from this peer's
     copy (a reducer's view) or returned a difference of ``rms`` (a sender's view), past
-    ``radius`` per value."""
+    ``radius`` per value; or (``role`` "weight", ``chunk`` -1) it declared a weight of
+    ``rms`` samples where the cap was ``radius``."""
 
     round: int
     slice: int
     chunk: int
     peer: str
-    role: str  # "sender": clipped by this reducer; "reducer": bounded by this sender
+    role: str  # "sender": clipped by this reducer; "reducer": bounded by this sender; "weight"
     rms: float
     radius: float
 

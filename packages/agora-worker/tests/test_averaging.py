@@ -203,10 +203,13 @@ async def cluster(
     await seed.start()
     stack = contextlib.ExitStack()
     client = RpcClient()
+    c = Cluster(tmp_path, seed, client, stack, config)
     try:
-        yield Cluster(tmp_path, seed, client, stack, config)
+        yield c
     finally:
         await client.close()
+        for replica in c.replicas:  # all stop at once; the stack then waits for each
+            replica.child.begin_stop()
         stack.close()
         await seed.stop()
 

@@ -104,15 +104,19 @@ class ChildProcess:
             self.proc.kill()
         self.proc.wait(timeout=10)
 
-    def stop(self, *, timeout_s: float = 10.0) -> int:
-        """Close stdin and send SIGTERM (a child may stop on either), SIGKILL after
-        ``timeout_s``; returns the exit code."""
+    def begin_stop(self) -> None:
+        """Close stdin and send SIGTERM (a child may stop on either), without waiting: several
+        children stop at once, then :meth:`stop` waits for each."""
         if self.proc.poll() is None:
             if self.proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     self.proc.stdin.close()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
+
+    def stop(self, *, timeout_s: float = 10.0) -> int:
+        """:meth:`begin_stop`, then SIGKILL after ``timeout_s``; returns the exit code."""
+        self.begin_stop()
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Byzantine joiners: one worker that lies in averaging joins a training swarm mid-run.
+"""Byzantine joiners: one worker that lies joins a training swarm mid-run.
 
-    python benchmarks/byzantine.py [--json] [--attacks scaled,sign_flip,noise,push,weight]
+    python benchmarks/byzantine.py [--json] [--attacks scaled,sign_flip,noise,push,weight,progress]
                                    [--samples 2048] [--stage 1] [--replicas 2] [--lanes 4]
                                    [--config examples/tiny.toml] [--shards DIR] [--smoke]
 
@@ -11,15 +11,17 @@ is admitted to ``--stage``: an honest one in the baseline run, then, one run per
 worker that tells one lie in its averaging rounds and is otherwise honest
 (``agora_devkit.attacker``): ``scaled`` values (x3), ``sign_flip``, ``noise`` at the values'
 own RMS, ``push`` (a small step in one direction every round), ``weight`` (a declared weight
-of 1e9 samples). Figures per attack:
+of 1e9 samples), ``progress`` (stage progress 1000 steps ahead of its own). Figures per attack:
 
 - ``<attack>.loss_ratio``: the trainer's mean loss over the last quarter of the samples, vs
   the honest baseline's over the same samples (target <= 1.05);
 - ``<attack>.clips_of_attacker``: averaging clips (``averaging_clipped`` lines) in the honest
   workers' logs that name the attacker, and ``<attack>.clips_of_honest`` those that name an
   honest worker;
-- ``<attack>.attacker_revoked``: 1 when its credential was revoked before the run ended
-  (accusations and automatic revocation are not built yet: today 0, target 1).
+- ``<attack>.attacker_revoked``: 1 when the authorizer revoked its credential on its honest
+  peers' accusations before the run ended (target 1), ``<attack>.seconds_to_revocation``
+  how long after it started serving, and ``<attack>.honest_revoked`` the honest workers
+  revoked (target 0).
 
 ``--smoke``: one stage replica, 48 samples, the ``scaled`` attack only and no baseline run.
 """
@@ -30,7 +32,6 @@ import argparse
 import asyncio
 import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ TRAINER_START_S = 300.0  # swarm up to the trainer's first sample, at most
 SAMPLES_PER_S = 1.0  # far below any machine's rate: only a run that hangs is slower
 JOINER_S = 180.0  # the joiner admitted, placed and serving
 POLL_S = 0.5
+REVOKED_EVENT = "node_revoked_by_accusations"  # the authorizer's log line of a revocation
 
 
 async def one_run(args, report: Report, name: str, program: tuple[str, ...]) -> dict:
@@ -66,12 +68,17 @@ async def one_run(args, report: Report, name: str, program: tuple[str, ...]) -> 
         member, proc = await asyncio.to_thread(swarm.start_worker, args.stage, program)
         _harness.waiting_for(f"{name}: the joiner serving")
         await asyncio.wait_for(asyncio.to_thread(swarm.wait_serving, member, proc), JOINER_S)
+        serving_at = time.monotonic()
         _harness.waiting_for(f"{name}: the trainer's last sample")
-        try:
-            await asyncio.to_thread(trainer.wait, max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{name}: the trainer to finish {args.samples} samples") from None
-        revoked = any(member.node_id in line for line in log_lines(swarm.logs("worker"), "revoked"))
+        revoked_after = None
+        while trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: the trainer to finish {args.samples} samples")
+            if revoked_after is None and member.node_id in revoked_nodes(swarm):
+                revoked_after = time.monotonic() - serving_at
+            await asyncio.sleep(POLL_S)
+        if revoked_after is None and member.node_id in revoked_nodes(swarm):
+            revoked_after = time.monotonic() - serving_at
     finally:
         await asyncio.to_thread(swarm.down)
     honest_logs = [p for p in swarm.logs("worker") if p.stem != member.name]
@@ -83,8 +90,16 @@ async def one_run(args, report: Report, name: str, program: tuple[str, ...]) -> 
         "losses": [r["loss"] for r in read_losses(swarm.loss_log())],
         "clips_of_attacker": sum(attacker in ids for ids in clips),
         "clips_of_honest": sum(bool(ids & honest) for ids in clips),
-        "revoked": revoked,
+        "revoked_after": revoked_after,
+        "honest_revoked": len({w for w in workers if w != member.node_id} & revoked_nodes(swarm)),
     }
+
+
+def revoked_nodes(swarm: DrivenSwarm) -> set[str]:
+    """The node ids the authorizer revoked on accusations so far, by its log."""
+    path = swarm.run_dir / "logs" / "authorizer.log"
+    lines = log_lines([path], REVOKED_EVENT) if path.exists() else []
+    return {node for line in lines for node in re.findall(r"[0-9a-f]{40}", line)}
 
 
 def last_quarter(losses: list[float], count: int) -> float:
@@ -117,9 +132,11 @@ async def main_async(args) -> None:
         report.add(
             f"{attack}.clips_of_honest", run["clips_of_honest"], "clip records naming an honest worker"
         )
-        report.add(
-            f"{attack}.attacker_revoked", int(run["revoked"]), "revoked before the run ended", target="== 1"
-        )
+        revoked = run["revoked_after"] is not None
+        report.add(f"{attack}.attacker_revoked", int(revoked), "revoked before the run ended", target="== 1")
+        if revoked:
+            report.add(f"{attack}.seconds_to_revocation", round(run["revoked_after"], 1), "s from serving")
+        report.add(f"{attack}.honest_revoked", run["honest_revoked"], "honest workers revoked", target="== 0")
     report.finish()
 
 

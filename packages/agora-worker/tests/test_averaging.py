@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from agora_core.admission.accusations import accusations_key, parse_accusations
 from agora_core.config import load_run_config
 from agora_core.dht import DhtNode
 from agora_core.identity import NodeKey
@@ -53,6 +54,9 @@ def run_toml(
             "chunk_timeout_s": 4.0,
             "reducers": reducers,
             "reducer_ids": reducer_ids,
+            # one clipped round is an accusation: the liar test lies for one round
+            "accuse_after_rounds": 1,
+            "accuse_window_rounds": 1,
         },
         transport={"chunk_bytes": chunk_bytes},
         **{"model.surrogate": {"dummy_parameters": DUMMY}},
@@ -78,7 +82,8 @@ class Cluster:
     async def start(
         self, key_files: list[str], extra: list[list[str]], attacks: dict[int, str] | None = None
     ) -> None:
-        """``attacks``: replica index -> the lie it tells (``agora_devkit.attacker``)."""
+        """Start replicas (after any already started); ``attacks``: index in ``key_files`` ->
+        the lie that replica tells (``agora_devkit.attacker``)."""
         attacks = attacks or {}
 
         async def one(index: int, key_file: str, args: list[str]) -> Replica:
@@ -108,10 +113,8 @@ class Cluster:
             address = await asyncio.to_thread(child.read_until, "  serving    ")
             return Replica(child, node_id, address)
 
-        self.replicas = list(
-            await asyncio.gather(
-                *(one(i, k, a) for i, (k, a) in enumerate(zip(key_files, extra, strict=True)))
-            )
+        self.replicas += await asyncio.gather(
+            *(one(i, k, a) for i, (k, a) in enumerate(zip(key_files, extra, strict=True)))
         )
 
     async def call(self, replica: Replica, method: str, meta=None, tensors=None, timeout_s: float = 30):
@@ -384,13 +387,21 @@ def rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
 
 
+async def accused_in_dht(c: Cluster, liar: str, honest: set[str]) -> bool:
+    """Every honest replica's signed entry is in the DHT and accuses the liar, and only it."""
+    records = parse_accusations(await c.seed.get(accusations_key("avg-test")))
+    by_accuser = {r.accuser: {a.accused for a in r.accusations} for r in records}
+    return all(by_accuser.get(node) == {liar} for node in honest)
+
+
 @pytest.mark.parametrize("attack", ["scaled", "sign_flip", "noise", "weight"])
 async def test_a_replica_that_turns_liar_moves_the_honest_ones_no_further_than_the_clip(tmp_path, attack):
     """Four replicas train apart a little (each steps on its own gradients) and average their
     weights (one segment) honestly, round after round, until each block has a history; then
     replica 3 lies (agora_devkit.attacker): its values scaled, flipped or noisy, or its weight
     inflated. The honest three end near their own mean, with the liar named in their evidence
-    and no honest peer in it; an inflated weight counts as the cap, 4x the reducer's own."""
+    and no honest peer in it, and each accuses it (alone) in a signed DHT entry; an inflated
+    weight counts as the cap, 4x the reducer's own."""
     async with cluster(tmp_path, segments=1) as c:
         paths, ids = keys(tmp_path, 4)
         await c.start(paths, [[]] * 4, attacks={3: f"{attack}@{MIN_HISTORY_ROUNDS}"})
@@ -414,9 +425,36 @@ async def test_a_replica_that_turns_liar_moves_the_honest_ones_no_further_than_t
             clipped = (await c.info(replica))["averaging"]["clipped"]
             assert not honest_ids & clipped.keys(), clipped  # no honest peer is clipped
             assert liar in clipped and report["clipped"] > 0, (attack, clipped)  # evidence
+        await c.wait(
+            lambda: accused_in_dht(c, liar, honest_ids), "the honest replicas' accusations in the DHT"
+        )
+        for replica in c.replicas[:3]:  # each accuses the liar alone
+            assert set((await c.info(replica))["averaging"]["accused"]) == {liar}, attack
         if attack == "weight":  # an honest reducer's slice: the liar's weight counts as 4 x 2
             for indices, owner in slice_owners(c, segment, ids):
                 if owner != liar:
                     expected = weighted_mean([v[indices] for v in values], [2.0, 2.0, 2.0, 8.0])
                     new, _ = await c.params(c.replicas[ids.index(owner)])
                     np.testing.assert_allclose(new[indices], expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_replica_claiming_a_far_step_makes_no_honest_one_step(tmp_path):
+    """Three honest replicas train to their first step; then a fourth joins and claims 1000
+    steps more than it took, in its signed progress report and its pushes
+    (agora_devkit.attacker's ``progress``). Its claim stands far past the quorum step of the
+    four, so the honest three ignore it, name it, and step only on a batch they hold. (This
+    uses the averaging cluster: real replicas of one stage.)"""
+    async with cluster(tmp_path) as c:
+        paths, ids = keys(tmp_path, 4)
+        await c.start(paths[:3], [[]] * 3)
+        await c.train_to_first_step([3, 3, 3])
+        await c.start(paths[3:], [[]], attacks={0: "progress"})
+        liar, honest = ids[3], c.replicas[:3]
+
+        async def all_ignore() -> bool:
+            return all(liar in info["ignored_step_claims"] for info in await c.infos(honest))
+
+        await c.wait(all_ignore, "the honest replicas ignoring the liar's step")
+        assert [info["step"] for info in await c.infos(honest)] == [1, 1, 1]  # nothing held: no step
+        await c.train_to_first_step([3, 3, 3, 0], step=2)  # 9 samples of a batch of 8: the stage steps
+        assert [info["step"] for info in await c.infos(honest)] == [2, 2, 2]

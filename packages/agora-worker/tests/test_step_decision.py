@@ -59,3 +59,27 @@ def test_a_pushed_new_step_makes_the_worker_behind():
     known = known_reports(reports, {"a": (6, 0, 100.0)}, now=100.5, fresh_s=10.0)
     decision = decide_step(5, 3, known, target=16)
     assert decision.step_now and decision.behind and decision.stage_step == 6
+
+
+def test_a_claim_far_past_the_quorum_step_is_not_heard():
+    peers = [report("a", 5, 6), report("z", 5000, 0)]  # z: a minority claiming to be far ahead
+    decision = decide_step(5, 2, peers, target=16)
+    assert not decision.step_now and not decision.behind and decision.stage_step == 5
+    assert decision.quorum_step == 5 and decision.ignored == ("z",)
+    assert decision.stage_samples == 8  # a's samples still count
+
+
+def test_a_leader_a_step_or_two_ahead_is_followed():
+    one_ahead = decide_step(5, 2, [report("a", 6, 0), report("z", 5, 0)], target=16)
+    assert one_ahead.step_now and one_ahead.behind and one_ahead.ignored == ()
+    two_ahead = decide_step(5, 2, [report("a", 7, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
+    assert two_ahead.behind and two_ahead.stage_step == 7
+    three_ahead = decide_step(5, 2, [report("a", 8, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
+    assert not three_ahead.behind and three_ahead.ignored == ("a",)
+
+
+def test_a_laggard_follows_the_majority_however_far_behind():
+    decision = decide_step(5, 0, [report("a", 40, 1), report("b", 40, 2)], target=16)
+    assert decision.quorum_step == 40 and decision.behind and decision.stage_step == 40
+    pair = decide_step(5, 0, [report("a", 40, 1)], target=16)  # of two, the one ahead
+    assert pair.behind and pair.ignored == ()

@@ -6,6 +6,8 @@
     agora-authorizer status --db DB               # queue, admitted per stage, refusals by reason
     agora-authorizer ban NODE_ID|ACCOUNT --db DB  # refused at its next refresh, and in the DHT
     agora-authorizer pin NODE_ID STAGE --db DB    # place that node on STAGE when it joins
+    agora-authorizer accusations --db DB          # what nodes accused each other of, and what counts
+    agora-authorizer pardon NODE_ID --db DB       # lift its ban; accusations made so far count no more
     agora-authorizer credential --config RUN.toml --node-key F --role dht --out C  # a seed's
 
 The database is SQLite by default, a file next to the key (``authorizer.db``); give
@@ -27,6 +29,7 @@ from pathlib import Path
 import click
 
 from agora_authorizer import __version__, cli_credential
+from agora_authorizer.accusations_report import accusations_report, format_accusations
 from agora_authorizer.status import format_status, status_report
 from agora_authorizer.store import AlreadyExists, Store, StoreError
 from agora_core.admission.software import local_build
@@ -282,6 +285,65 @@ def unban(target, db, key_file, kind) -> None:
     finally:
         store.close()
     click.echo(f"{'lifted the ban on' if lifted else 'no ban on'} {kind} {target}")
+
+
+@main.command()
+@_db_option
+@click.option("--node", "node_id", help="Only the accusations against this node id.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="The run config: judge with its anchor_accounts and revoke_after_accusers.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def accusations(db, key_file, node_id, config_file, as_json) -> None:
+    """Every accusation recorded, by accused node: its ban and pardon, its independent
+    accusers, and for each accusation whether it counts toward a revocation (and if not, why)."""
+    anchors, revoke_after = (), None
+    if config_file:
+        run = load_config(config_file)
+        anchors, revoke_after = run.admission.anchor_accounts, run.admission.revoke_after_accusers
+    store = open_store(db, key_file)
+    try:
+        report = accusations_report(
+            store, now=time.time(), node=node_id, anchors=anchors, revoke_after=revoke_after
+        )
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    elif not report["accused"]:
+        click.echo(
+            f"no accusations recorded{f' against {node_id}' if node_id else ''} in {report['database']}"
+        )
+    else:
+        click.echo(format_accusations(report))
+
+
+@main.command()
+@click.argument("node_id")
+@_db_option
+def pardon(node_id, db, key_file) -> None:
+    """Lift NODE_ID's ban and forgive the accusations made against it so far: only
+    accusations made after the pardon count toward a revocation again. Exits 1 when there
+    is nothing to pardon (not banned, and not accused since its last pardon)."""
+    if not NODE_ID.match(node_id):
+        fail(f"{node_id!r} is not a node id (40 hex digits: agora-authorizer accusations lists them)")
+    store = open_store(db, key_file)
+    try:
+        done = store.pardon(node_id, now=time.time())
+    finally:
+        store.close()
+    if done.pardoned is None:
+        fail(f"nothing to pardon: node {node_id} is not banned and not accused since its last pardon", code=1)
+    lifted = f"lifted its ban ({done.ban_reason})" if done.ban_reason is not None else "it was not banned"
+    click.echo(f"pardoned node {node_id}: {lifted}; {done.forgiven} accusations forgiven")
+    if done.ban_reason is not None:
+        click.echo(
+            "its credentials stay revoked: it joins again through the checks, and the DHT "
+            "revocation list names it until they expire"
+        )
 
 
 @main.command()

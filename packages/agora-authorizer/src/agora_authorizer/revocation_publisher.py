@@ -4,7 +4,8 @@ the same beat, forgetting nonces too old to matter).
 Bans are written to the database (``agora-authorizer ban``, from any process); this loop
 reads the ones recent enough to matter (a banned node's last credential may still be valid
 for one lifetime) and republishes the list every third of a DHT record's lifetime, so a ban
-reaches every node within one refresh period and the list never lapses.
+reaches every node within one refresh period and the list never lapses. A ban the
+authorizer decides itself (:mod:`.accusations`) is published at once.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ class RevocationPublisher:
         self.nonce_window_s = 2 * run.admission.request_max_age_s + run.dht.max_clock_skew_s
         self.published: Revocations | None = None
         self.on_published: Callable[[Revocations], None] | None = None  # the authorizer's own peers
+        # One publish at a time: the list read last is the one stored last (latest expiry wins),
+        # when the accusation judge publishes between two beats of this loop.
+        self._publishing = asyncio.Lock()
 
     async def publish(self) -> Revocations:
+        async with self._publishing:
+            return await self._publish()
+
+    async def _publish(self) -> Revocations:
         now = world.wall()
         nodes, accounts = await self.db(self.store.revoked_since, since=now - self.window_s, now=now)
         if len(nodes) + len(accounts) > MAX_ENTRIES:  # replicas refuse a longer list: keep accounts first

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from agora_authorizer.accusations import AccusationJudge
 from agora_authorizer.answers import Waiting, admitted_answer, queued_answer, request_fields
 from agora_authorizer.bucket import TokenBucket
 from agora_authorizer.checks import SoftwarePolicy, check_hardware
@@ -77,6 +78,9 @@ class Authorizer:
         self.queue = AdmissionQueue(self.bucket, self._admit)
         self.revocations = RevocationPublisher(run=run, key=key, store=store, dht=self.dht, db=self.db)
         self.revocations.on_published = self.node.observe_revocations  # drop banned peers at once
+        self.judge = AccusationJudge(
+            run=run, store=store, dht=self.dht, db=self.db, revocations=self.revocations, metrics=self.metrics
+        )
         self._place_lock = asyncio.Lock()
         self.placer = Placer(run=run, dht=self.dht, store=store, db=self.db)
         self._checking: dict[str, set[str]] = {}  # account -> node ids being checked now
@@ -103,7 +107,8 @@ class Authorizer:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Recover the queue, serve, join the DHT, release the queue, publish revocations."""
+        """Recover the queue, serve, join the DHT, release the queue, publish revocations,
+        judge accusations."""
         now = world.wall()
         interrupted = await self.db(self.store.interrupt_checking, now=now)
         if interrupted:
@@ -119,6 +124,7 @@ class Authorizer:
         self._tasks = [
             loop.create_task(self.queue.run(), name="authorizer-queue"),
             loop.create_task(self.revocations.run(), name="authorizer-revocations"),
+            loop.create_task(self.judge.run(), name="authorizer-accusations"),
         ]
         log.info("authorizer_started", address=self.address, queued=len(self.queue), run=self.run.name)
         return self.address

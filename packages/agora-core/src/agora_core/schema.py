@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from agora_core.admission.accusations import accusations_key, check_accusations
 from agora_core.admission.revocations import check_revocations, revocations_key
 from agora_core.contract import DepartureReason, Phase
 from agora_core.dht import DhtValue
@@ -227,8 +228,8 @@ def register_validators(
     validators: Validators, run_name: str, authorizer_public_key: bytes | None = None
 ) -> None:
     """Make a DHT node refuse malformed announcements, progress reports and departure records
-    of run ``run_name``, and any revocation list not written by its authorizer (none at all
-    in an open run, which has no authorizer)."""
+    of run ``run_name``, accusations not in their accuser's own subkey, and any revocation list
+    not written by its authorizer (none at all in an open run, which has no authorizer)."""
 
     def check(key: str, subkey: str, value: Any) -> None:
         if key.endswith("/workers"):
@@ -243,3 +244,4 @@ def register_validators(
         trainer_progress_key(run_name), lambda key, subkey, value: TrainerProgress.from_value(value)
     )
     validators.register(revocations_key(run_name), check_revocations(authorizer_public_key))
+    validators.register(accusations_key(run_name), check_accusations)

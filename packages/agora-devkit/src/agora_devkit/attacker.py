@@ -10,7 +10,9 @@ announces honestly. The lies:
 - ``noise``: its values plus Gaussian noise of the values' own RMS;
 - ``push``: its values plus a small fixed step (``PUSH_PER_VALUE``) in one direction, every
   round: too small for clipping to tell from drift;
-- ``weight``: honest values under a declared weight of ``INFLATED_WEIGHT`` samples.
+- ``weight``: honest values under a declared weight of ``INFLATED_WEIGHT`` samples;
+- ``progress``: its stage-progress reports and pushes claim ``CLAIMED_LEAD`` steps more than
+  it took (ROUND does not apply: it lies from the start).
 
 agora-devkit is never a dependency of a role: no installed worker can run this.
 """
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 INFLATED_WEIGHT = 1e9
+CLAIMED_LEAD = 1000
 PUSH_PER_VALUE = 1e-3
 SCALE = 3.0
 
@@ -40,7 +43,28 @@ VALUE_LIES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "noise": _noise,
     "push": lambda values: values + np.float32(PUSH_PER_VALUE),
 }
-ATTACKS = (*VALUE_LIES, "weight")
+ATTACKS = (*VALUE_LIES, "weight", "progress")
+
+
+def _claim_ahead() -> None:
+    """Stage progress that claims ``CLAIMED_LEAD`` more steps, in the signed report and in
+    every push; the worker's own decisions still see its true step."""
+    from agora_core.schema import StageProgress
+    from agora_worker.progress import tracker
+
+    class ReportsAhead:  # what the tracker builds its own reports with
+        from_value = staticmethod(StageProgress.from_value)
+
+        def __call__(self, *, step: int, **fields) -> StageProgress:
+            return StageProgress(step=step + CLAIMED_LEAD, **fields)
+
+    quiet_poke = tracker.StageProgressTracker._quiet_poke
+
+    async def poke_ahead(self, address: str, step: int, samples: int) -> None:
+        await quiet_poke(self, address, step + CLAIMED_LEAD, samples)
+
+    tracker.StageProgress = ReportsAhead()
+    tracker.StageProgressTracker._quiet_poke = poke_ahead
 
 
 def patch(attack: str, from_round: int = 0) -> None:
@@ -66,6 +90,8 @@ def patch(attack: str, from_round: int = 0) -> None:
             return await form_group(self, round_index, me, **kwargs)
 
         matchmaking.Matchmaker.form_group = inflated
+    elif attack == "progress":
+        _claim_ahead()
     else:
         raise SystemExit(f"unknown attack {attack!r}: one of {', '.join(ATTACKS)}")
 

@@ -2,8 +2,9 @@
 
 ``swarm.py up`` (unless ``--open``) runs its swarm the way a public run is run: it creates the
 authorizer's key (``agora-authorizer keygen``), writes RUN_DIR/run.toml, the given config with
-``[admission] mode = "authorized"`` and that key, opens one account for the swarm's nodes
-(``account add swarm``; its token goes to RUN_DIR/keys/swarm.token, mode 0600, and reaches
+``[admission] mode = "authorized"``, that key and the swarm's account as a trust anchor
+(``anchor_accounts``: its nodes accuse each on its own), opens that account for the swarm's
+nodes (``account add swarm``; its token goes to RUN_DIR/keys/swarm.token, mode 0600, and reaches
 the nodes as ``AGORA_ACCOUNT_TOKEN``), and serves admissions from RUN_DIR/authorizer.db. The
 authorizer places the workers ``up`` starts; a worker added for a stage, or restarted on the
 stage it served, is pinned there first (``agora-authorizer pin``).
@@ -70,7 +71,11 @@ def authorize(run_dir: Path, config: str) -> Path:
     with the swarm's account; returns the path of run.toml."""
     public_key = value_after(authorizer_cli("keygen", "--key-file", str(key_file(run_dir))), "public key ")
     run = load_run_config(config)
-    admission = dataclasses.replace(run.admission, mode="authorized", authorizer_public_key=public_key)
+    # The swarm's own nodes are the operator's: each is a witness on its own (a trust anchor).
+    anchors = sorted({*run.admission.anchor_accounts, ACCOUNT})
+    admission = dataclasses.replace(
+        run.admission, mode="authorized", authorizer_public_key=public_key, anchor_accounts=anchors
+    )
     path = run_dir / "run.toml"
     path.write_text(dump_toml(dataclasses.replace(run, admission=admission)))
     for old in run_dir.glob("authorizer.db*"):  # a fresh run: no admissions, pins or bans of the last

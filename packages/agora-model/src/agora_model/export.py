@@ -62,6 +62,7 @@ from agora_worker.model.export import (
     weights_from_snapshot,
     write_model,
 )
+from agora_worker.progress.decision import heard_steps
 from agora_worker.state.checkpoint import CheckpointInvalid, Manifest, find_manifests, load_checkpoint
 from agora_worker.state.snapshot import PARAM_PREFIX, StateMismatch, StateSnapshot, TensorSpec
 
@@ -285,9 +286,10 @@ async def serving_replicas(node: RunNode, run: RunConfig, stage: int) -> list[tu
         reports = await node.dht.get(stage_progress_key(run.name, stage))
     except (AgoraError, TimeoutError):
         return []
-    steps = {p.node_id: p.step for p in parse_entries(reports, StageProgress.from_value)}
+    # a minority claiming far steps is not the most advanced replica
+    steps = heard_steps({p.node_id: p.step for p in parse_entries(reports, StageProgress.from_value)})
     replicas = [
-        (a, steps.get(a.node_id, 0))
+        (a, steps.get(a.node_id, -1))
         for a in parse_entries(found, WorkerAnnouncement.from_value)
         if a.phase is Phase.SERVING and a.address
     ]

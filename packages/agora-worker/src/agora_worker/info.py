@@ -25,6 +25,7 @@ def worker_info(worker: Worker) -> dict:
         "last_step": None if worker.last_step is None else dataclasses.asdict(worker.last_step),
         "samples": worker.optimizer.samples,
         "stage_samples": worker.progress.stage_samples,
+        "ignored_step_claims": dict(worker.progress.ignored),  # peer -> its claim, past the quorum
         "queued": runtime.queued_samples,
         "processed": runtime.samples_processed,
         "compute_seconds": runtime.compute_seconds,

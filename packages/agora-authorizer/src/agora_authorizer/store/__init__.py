@@ -12,7 +12,15 @@ from agora_authorizer.store.database import (
     StoreError,
     parse_url,
 )
-from agora_authorizer.store.rows import Account, AdmissionRequest, Ban, IssuedCredential
+from agora_authorizer.store.rows import (
+    Account,
+    AdmissionRequest,
+    Ban,
+    Docket,
+    IssuedCredential,
+    Pardon,
+    RecordedAccusation,
+)
 from agora_authorizer.store.store import Store
 
 __all__ = [
@@ -22,8 +30,11 @@ __all__ = [
     "AlreadyExists",
     "Ban",
     "Banned",
+    "Docket",
     "IssuedCredential",
     "NotFound",
+    "Pardon",
+    "RecordedAccusation",
     "Store",
     "StoreError",
     "parse_url",

@@ -85,6 +85,48 @@ class IssuedCredential:
         return self.revoked is None and self.expires > now
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordedAccusation:
+    """One node's accusation of another, of one kind, as the authorizer last read it."""
+
+    accuser: str
+    accused: str
+    kind: str  # agora_core.admission.accusations.KINDS
+    accuser_stage: int  # the stage the accuser's entry names (its credential's is what counts)
+    rounds: int  # distinct rounds the accuser saw it in
+    at: float  # the accuser's clock: the newest of those rounds
+    at_seen: float  # the authorizer's clock: when it first read that ``at``
+    evidence: list  # [{round, slice, chunk, measured, radius}, ...], newest rounds first
+    first_seen: float  # when the authorizer first read this accusation
+    last_seen: float  # when it last read it in the DHT
+
+    @property
+    def made(self) -> float:
+        """When the accusation was last made, as far as the authorizer can tell: ``at``, but
+        never later than the authorizer first read it (an accuser's clock may run ahead)."""
+        return min(self.at, self.at_seen)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Docket:
+    """What the accusation rules read (:meth:`Store.docket`), in one read transaction."""
+
+    accusations: tuple[RecordedAccusation, ...]
+    credentials: dict[str, IssuedCredential]  # node id -> newest credential, for every node named
+    pardons: dict[str, float]  # accused node id -> its latest pardon
+    banned: frozenset[str]  # the accused node ids that are banned
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pardon:
+    """What :meth:`Store.pardon` did."""
+
+    node_id: str
+    ban_reason: str | None  # the node ban it lifted; None: the node was not banned
+    forgiven: int  # accusations made against it since its previous pardon, which count no more
+    pardoned: float | None  # the pardon's time; None: nothing to pardon, nothing recorded
+
+
 # --- what goes in: checks on the values the store's methods are given -----------------------
 
 

@@ -7,7 +7,9 @@ request ids come from autoincrementing keys that never hand out a committed valu
 good. The indexes are on the columns the store's queries filter on.
 
 Bump :data:`SCHEMA_VERSION` with any change to these tables: a store refuses to open a
-database written under another version instead of misreading it.
+database written under another version instead of misreading it, except the versions in
+:data:`UPGRADES_FROM`, whose databases lack only tables added since (they are created and the
+version moved on when such a database is opened).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from sqlalchemy import (
     column,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: accusations, pardons
+# Versions whose databases this one upgrades in place: it only added tables since.
+UPGRADES_FROM = (1,)
 
 BAN_KINDS = ("node", "account")
 REQUEST_STATUSES = ("checking", "queued", "admitted", "refused")
@@ -136,3 +140,29 @@ credentials = Table(
 Index("credentials_live", credentials.c.node_id, credentials.c.expires)
 # every join counts its account's queued requests (Store.standing)
 Index("requests_account", requests.c.account, requests.c.status)
+
+# What nodes accused each other of (agora_core.admission.accusations), as the authorizer last
+# read it from the DHT: kept after the DHT entries expire, for the operator to list.
+accusations = Table(
+    "accusations",
+    metadata,
+    Column("accuser", String, nullable=False),
+    Column("accused", String, nullable=False, index=True),
+    Column("kind", String(32), nullable=False),  # not constrained: newer nodes may know more kinds
+    Column("accuser_stage", Integer, nullable=False),  # as its entry says; its credential's counts
+    Column("rounds", Integer, nullable=False),
+    Column("at", Double, nullable=False),  # the accuser's clock: the newest round it saw
+    Column("at_seen", Double, nullable=False),  # when the authorizer first read that ``at``
+    Column("evidence", JSON, nullable=False),  # [{round, slice, chunk, measured, radius}, ...]
+    Column("first_seen", Double, nullable=False),
+    Column("last_seen", Double, nullable=False),
+    PrimaryKeyConstraint("accuser", "accused", "kind"),
+)
+
+# A node's latest pardon: accusations made before it no longer count against it.
+pardons = Table(
+    "pardons",
+    metadata,
+    Column("node_id", String, primary_key=True),
+    Column("pardoned", Double, nullable=False),
+)

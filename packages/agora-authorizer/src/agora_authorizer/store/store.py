@@ -1,10 +1,12 @@
 """The authorizer's durable state, on SQLite (a file, the default) or PostgreSQL.
 
 :class:`Store` is the one way in: accounts, bans and pins (what the operator decided), the
-nonces of requests already seen, and through :class:`~.admissions.Admissions` the admission
-requests and credentials. Each method is one transaction, committed before it returns (see
-:mod:`.database`). The service calls the store from one dedicated thread; the store keeps no
-state of its own but its engine, so other processes (the CLI) see each write once it commits.
+nonces of requests already seen, through :class:`~.admissions.Admissions` the admission
+requests and credentials, and through :class:`~.accusations.AccusationRecords` the
+accusations nodes made and the pardons. Each method is one transaction, committed before it
+returns (see :mod:`.database`). The service calls the store from one dedicated thread; the
+store keeps no state of its own but its engine, so other processes (the CLI) see each write
+once it commits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hmac
 from sqlalchemy import delete, exc, func, insert, select
 
 from agora_authorizer.store import schema
+from agora_authorizer.store.accusations import AccusationRecords
 from agora_authorizer.store.admissions import Admissions
 from agora_authorizer.store.database import BUSY_TIMEOUT_S, AlreadyExists, Database
 from agora_authorizer.store.rows import (
@@ -44,8 +47,9 @@ def _account_if(row, token: str) -> Account | None:
     return Account(name=row.name, max_nodes=row.max_nodes, created=row.created)
 
 
-class Store(Admissions):
-    """Accounts, bans, pins, nonces, admission requests and credentials; see the module doc.
+class Store(Admissions, AccusationRecords):
+    """Accounts, bans, pins, nonces, admission requests and credentials, accusations and
+    pardons; see the module doc.
 
     Arguments a caller got wrong raise ValueError; the database's own failures (unreachable,
     locked past the busy timeout, a missing record) raise :class:`StoreError`.

@@ -50,6 +50,14 @@ class AdmissionConfig:
     allowed_software: list[str] = field(default_factory=list)
     # --- accountability ---------------------------------------------------------------------
     max_nodes_per_account: int = 64  # admitted nodes with a live credential, per account
+    # --- accusations (agora_core.admission.accusations) --------------------------------------
+    # The authorizer revokes a node accused by this many independent accusers: on its stage,
+    # with live credentials, one per account, except that every node of an anchor account
+    # counts on its own. Never 1, so no single node can get an honest one banned; 0:
+    # accusations are only listed.
+    revoke_after_accusers: int = 2
+    # Trust anchors: the accounts of the nodes the operator runs itself.
+    anchor_accounts: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode == "authorized" or self.authorizer_public_key is not None:
@@ -79,6 +87,11 @@ class AdmissionConfig:
         )
         require(self.challenge_rows_checked >= 1, "challenge_rows_checked", "must be >= 1")
         require(self.max_nodes_per_account >= 1, "max_nodes_per_account", "must be >= 1")
+        require(
+            self.revoke_after_accusers == 0 or self.revoke_after_accusers >= 2,
+            "revoke_after_accusers",
+            "must be 0 (never revoke) or >= 2: one accuser alone must not get a node banned",
+        )
         for entry in self.allowed_software:
             require(
                 len(entry.split()) == 3,

@@ -196,6 +196,10 @@ class AveragingConfig:
     clip_multiplier: float = 4.0
     clip_history_rounds: int = 16
     weight_ratio: float = 4.0
+    # A peer clipped here in accuse_after_rounds of this peer's last accuse_window_rounds
+    # rounds is accused in the DHT, with the evidence (0: never accuse).
+    accuse_after_rounds: int = 3
+    accuse_window_rounds: int = 8
     # Keys older configs set here; an error says where they live now.
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "chunk_bytes": "transport.chunk_bytes",
@@ -215,6 +219,12 @@ class AveragingConfig:
         )
         require(self.clip_history_rounds >= 1, "clip_history_rounds", "must be >= 1")
         require(self.weight_ratio >= 0, "weight_ratio", "must be >= 0")
+        require(self.accuse_after_rounds >= 0, "accuse_after_rounds", "must be >= 0 (0: never accuse)")
+        require(
+            self.accuse_window_rounds >= self.accuse_after_rounds,
+            "accuse_window_rounds",
+            f"must be >= accuse_after_rounds ({self.accuse_after_rounds})",
+        )
         require(
             self.round_timeout_s > self.matchmaking_window_s,
             "round_timeout_s",

@@ -4,7 +4,8 @@ Every ``cadence_steps`` optimizer steps a round starts: it snapshots its segment
 the compute thread, forms a group through the DHT, runs the butterfly all-reduce while
 training continues, and applies the delta rule: theta[I] += (average - theta*[I]) under the
 optimizer's lock, so progress made during the round is kept. Optimizer state never travels.
-Rounds are robust to lying peers (:mod:`.robust`); what was clipped is kept as evidence.
+Rounds are robust to lying peers (:mod:`.robust`); what was clipped is kept as evidence, and
+a peer clipped round after round is accused in the DHT (:mod:`.accusing`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from agora_core import world
+from agora_core.admission.accusations import accusations_key
 from agora_core.config.run import AveragingConfig
 from agora_core.contract import Phase
 from agora_core.dht import DhtNode
@@ -28,6 +30,7 @@ from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import RpcClient, RpcServer
 from agora_core.schema import WorkerAnnouncement, averaging_summary_key, parse_entries, stage_workers_key
+from agora_worker.averaging.accusing import Accuser
 from agora_worker.averaging.allreduce import ReductionBoard, RoundGuard, all_reduce
 from agora_worker.averaging.matchmaking import Matchmaker, Peer
 from agora_worker.averaging.robust import Clipped, DriftHistory, weight_cap
@@ -38,6 +41,9 @@ from agora_worker.serving.runtime import Runtime
 log = get_logger("worker.averaging")
 
 EVIDENCE_KEPT = 1024  # clipped contributions remembered, newest last
+# A declared weight is accused past this many rounds of the whole stage's samples: more than
+# any honest peer gathers between its rounds, however slow the reducer it outweighs.
+WEIGHT_ACCUSED_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,14 @@ class Averager:
             receiving=DriftHistory(multiplier=config.clip_multiplier, rounds=config.clip_history_rounds),
         )
         self.evidence: collections.deque[Clipped] = collections.deque(maxlen=EVIDENCE_KEPT)
+        self.accuser = Accuser(
+            node_id=key.node_id,
+            stage=stage,
+            after_rounds=config.accuse_after_rounds,
+            window_rounds=config.accuse_window_rounds,
+            weight_limit=WEIGHT_ACCUSED_ROUNDS * config.cadence_steps * target_batch_size,
+        )
+        self._accusations = OwnedEntry(dht, key, accusations_key(run_name))
         self.chunk_values = max(1, chunk_bytes // 4)  # float32 values per streamed chunk
         self._run_name, self._stage, self._key = run_name, stage, key
         self._dht, self._client = dht, client
@@ -131,6 +145,11 @@ class Averager:
             "agora_averaging_clipped_total",
             "Contributions cut down: a sender's chunk clipped here, or a reducer's difference bounded.",
             ["peer_role"],
+        )
+        self._m_accused = metrics.counter(
+            "agora_averaging_accusations_total",
+            "Peers this one accused in the DHT, by what they did.",
+            ["kind"],
         )
 
     @property
@@ -177,6 +196,7 @@ class Averager:
             "last": asdict(self.reports[-1]) if self.reports else None,
             # evidence kept: peer -> contributions of it clipped here (as sender or reducer)
             "clipped": dict(collections.Counter(c.peer for c in self.evidence)),
+            "accused": self.accuser.info(),  # peer -> the kinds this peer accuses it of
         }
 
     async def run_round(self, round_index: int) -> RoundReport:
@@ -258,6 +278,7 @@ class Averager:
         )
         self.guard.close_round()
         self._keep_evidence(result.evidence)
+        self._accuse(round_index, result.evidence)
         applied_at, distance = await asyncio.wrap_future(
             self._runtime.call(lambda: self._apply(ranges, result.pieces, snapshot))
         )
@@ -295,6 +316,11 @@ class Averager:
             radius=worst.radius,
         )
 
+    def _accuse(self, round_index: int, evidence: list[Clipped]) -> None:
+        for peer, kind in self.accuser.observe(round_index, evidence):
+            self._m_accused.labels(kind=kind).inc()
+            log.warning("averaging_accused", round=round_index, peer=peer, kind=kind)
+
     def _apply(self, ranges, pieces: list[tuple[int, np.ndarray]], snapshot: np.ndarray) -> tuple[int, float]:
         """The delta rule, on the compute thread, under the optimizer's lock; returns the step
         it landed at and the relative distance of ``snapshot`` (theta*) from the average.
@@ -331,7 +357,12 @@ class Averager:
         return [v.value for k, v in found.items() if k != self._summary.subkey and isinstance(v.value, dict)]
 
     async def _publish(self, report: RoundReport) -> None:
+        """The round's summary, and the standing accusations (every round, so they outlive
+        their record's lifetime while this worker runs)."""
         try:
             await self._summary.publish(asdict(report), self._record_ttl_s)
+            accusations = self.accuser.record()
+            if accusations is not None:
+                await self._accusations.publish(accusations.to_value(), self._record_ttl_s)
         except Exception as exc:  # bookkeeping only: the round itself is done
             log.info("averaging_summary_unpublished", error=str(exc))

@@ -174,6 +174,8 @@ class SliceReduction:
             if factor >= 1.0:
                 self.drift.observe(key, rms)
                 continue
+            if shares[i] <= 0:
+                continue  # a sender of no weight (a syncing joiner) moves nothing: no evidence
             shares[mine] += shares[i] * (1.0 - factor)
             shares[i] *= factor
             evidence = Clipped(

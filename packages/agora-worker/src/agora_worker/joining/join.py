@@ -35,6 +35,7 @@ from agora_core.schema import (
 )
 from agora_worker.joining.download import DownloadProgress, StateDownloadFailed, download_state
 from agora_worker.joining.phases import PhaseTracker
+from agora_worker.progress.decision import heard_steps
 from agora_worker.serving.runtime import Runtime
 from agora_worker.state.snapshot import StageState, StateMismatch, StateSnapshot
 
@@ -112,21 +113,23 @@ class Joiner:
         self._m_rate = metrics.gauge("agora_join_download_bytes_per_second", "State download rate.")
 
     async def look(self) -> StageView:
-        """The stage's live replicas and furthest step, from the DHT."""
+        """The stage's live replicas and furthest step, from the DHT (a step claimed too far
+        past the quorum's is not heard: :func:`~agora_worker.progress.decision.heard_steps`)."""
         run, stage = self._run.name, self._stage
         found, reports = await asyncio.gather(
             self._dht.get(stage_workers_key(run, stage)), self._dht.get(stage_progress_key(run, stage))
         )
         live = self._dht.live_ids() - {self._node_id}  # a crashed replica's entries outlive it
-        progress = {
+        claimed = {
             p.node_id: p.step for p in parse_entries(reports, StageProgress.from_value) if p.node_id in live
         }
+        progress = heard_steps(claimed)  # a minority claiming far steps neither leads nor donates first
         donors = [
             a
             for a in parse_entries(found, WorkerAnnouncement.from_value)
             if a.node_id in live and a.phase in (Phase.SERVING, Phase.OPTIMIZER_SYNC) and a.address
         ]
-        donors.sort(key=lambda a: (-progress.get(a.node_id, 0), a.phase is not Phase.SERVING, -a.throughput))
+        donors.sort(key=lambda a: (-progress.get(a.node_id, -1), a.phase is not Phase.SERVING, -a.throughput))
         return StageView(donors, max(progress.values(), default=0))
 
     async def join(self) -> JoinOutcome:

@@ -5,10 +5,15 @@ inputs (signed DHT reports, fresher pushed counts) and acts on the answer."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agora_core.schema import StageProgress
+
+# How far a peer's claimed step may stand ahead of the stage's quorum step and still be heard.
+# An honest worker is ahead by one after it completed a batch; further only when its peers
+# stalled, and then they catch up to the quorum instead.
+MAX_STEP_LEAD = 2
 
 
 @dataclass(frozen=True)
@@ -19,12 +24,41 @@ class StepDecision:
     stage_samples: int  # what the stage holds toward this worker's step
     others: int  # the peers' samples at this worker's step
     peers: int  # the peers at this worker's step
+    quorum_step: int = 0  # the upper median of the live workers' steps, this one's included
+    ignored: tuple[str, ...] = ()  # peers whose step claim stood too far past the quorum's
 
 
-def decide_step(step: int, samples: int, peers: Sequence[StageProgress], target: int) -> StepDecision:
+def quorum_of(steps: Iterable[int]) -> int:
+    """The upper median of the steps: where most of a stage stands (of two, the one ahead),
+    whatever a minority claims; 0 for none."""
+    ordered = sorted(steps)
+    return ordered[len(ordered) // 2] if ordered else 0
+
+
+def heard_steps(steps: Mapping[str, int], *, max_lead: int = MAX_STEP_LEAD) -> dict[str, int]:
+    """The claimed steps (node id -> step) no further than ``max_lead`` past their quorum."""
+    quorum = quorum_of(steps.values())
+    return {node: step for node, step in steps.items() if step <= quorum + max_lead}
+
+
+def quorum_step(step: int, peers: Sequence[StageProgress]) -> int:
+    """The quorum of this worker's and its peers' steps."""
+    return quorum_of([step, *(r.step for r in peers)])
+
+
+def decide_step(
+    step: int, samples: int, peers: Sequence[StageProgress], target: int, *, max_lead: int = MAX_STEP_LEAD
+) -> StepDecision:
     """Step when the samples of all workers at this worker's ``step`` reach the ``target``
     batch, or when a peer already moved past it. A worker with no samples of its own steps
-    too: the collector may hold only its peers' counts."""
+    too: the collector may hold only its peers' counts.
+
+    A step is a peer's own claim: one more than ``max_lead`` past the quorum step is not
+    heard (a minority cannot make the stage step with nothing held), and is named in
+    ``ignored``."""
+    quorum = quorum_step(step, peers)
+    ignored = tuple(r.node_id for r in peers if r.step > quorum + max_lead)
+    peers = [r for r in peers if r.step <= quorum + max_lead]
     at_step = [r for r in peers if r.step == step]
     others = sum(r.samples for r in at_step)
     stage_step = max([step, *(r.step for r in peers)])
@@ -37,6 +71,8 @@ def decide_step(step: int, samples: int, peers: Sequence[StageProgress], target:
         stage_samples=held,
         others=others,
         peers=len(at_step),
+        quorum_step=quorum,
+        ignored=ignored,
     )
 
 

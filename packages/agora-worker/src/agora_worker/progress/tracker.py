@@ -107,6 +107,7 @@ class StageProgressTracker:
         self.peers = 0
         self._others = 0  # the other workers' samples at this worker's step, as last known
         self.behind = False  # the last decision: a peer is past this worker's step
+        self.ignored: dict[str, int] = {}  # peers whose step claims the last decision ignored
         self._wake = asyncio.Event()
 
     def decide(self, peers: list[StageProgress]) -> bool:
@@ -119,6 +120,10 @@ class StageProgressTracker:
         self.stage_samples = decision.stage_samples
         self.stage_step = decision.stage_step
         self.behind = decision.behind
+        claimed = {r.node_id: r.step for r in peers if r.node_id in decision.ignored}
+        if claimed.keys() - self.ignored.keys():  # a claim newly too far ahead: said once
+            log.warning("progress_claim_ignored", step=step, quorum_step=decision.quorum_step, claims=claimed)
+        self.ignored = claimed
         return decision.step_now
 
     def known(self) -> list[StageProgress]:

@@ -3,13 +3,16 @@
 
     python benchmarks/byzantine.py [--json] [--attacks scaled,sign_flip,noise,push,weight,progress]
                                    [--samples 2048] [--stage 1] [--replicas 2] [--lanes 4]
+                                   [--turn-after 8]
                                    [--config examples/tiny.toml] [--shards DIR] [--smoke]
 
 Each run is the main job's swarm (authorized, monitored; ``--replicas`` workers per stage,
 one trainer) training ``--samples`` samples. Once a quarter of them are done, one more worker
 is admitted to ``--stage``: an honest one in the baseline run, then, one run per attack, a
-worker that tells one lie in its averaging rounds and is otherwise honest
-(``agora_devkit.attacker``): ``scaled`` values (x3), ``sign_flip``, ``noise`` at the values'
+worker that tells one lie and is otherwise honest
+(``agora_devkit.attacker``; it lies once it took part in ``--turn-after`` rounds honestly, past
+the sync phases and the probation that send a joiner lying from its first round back to
+sync): ``scaled`` values (x3), ``sign_flip``, ``noise`` at the values'
 own RMS, ``push`` (a small step in one direction every round), ``weight`` (a declared weight
 of 1e9 samples), ``progress`` (stage progress 1000 steps ahead of its own). Figures per attack:
 
@@ -117,7 +120,8 @@ async def main_async(args) -> None:
     if not args.smoke:
         baseline = await one_run(args, report, "honest", ("agora_worker",))
     for attack in attacks:
-        run = await one_run(args, report, attack, ("agora_devkit.attacker", attack))
+        lie = attack if attack == "progress" else f"{attack}@+{args.turn_after}"
+        run = await one_run(args, report, attack, ("agora_devkit.attacker", lie))
         count = len(run["losses"]) if baseline is None else min(len(run["losses"]), len(baseline["losses"]))
         ours = last_quarter(run["losses"], count)
         unit = f"mean loss of the last {max(1, count // 4)} of {count} samples"
@@ -151,6 +155,12 @@ def main() -> None:
     )
     parser.add_argument("--replicas", type=int, default=2, help="workers per stage before the joiner")
     parser.add_argument("--lanes", type=int, default=4, help="the trainer's samples in flight")
+    parser.add_argument(
+        "--turn-after",
+        type=int,
+        default=8,
+        help="averaging rounds the attacker takes part in honestly (its sync and probation)",
+    )
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "byzantine"), help="where the runs live")
     _harness.add_arguments(parser, deadline_s=3600)
     args = _harness.parse(parser, smoke={"attacks": "scaled", "samples": 48, "replicas": 1, "lanes": 2})

@@ -1,9 +1,10 @@
 """A worker that lies in its averaging rounds, for the attacker tests and benchmarks.
 
-``python -m agora_devkit.attacker ATTACK[@ROUND] [agora-worker arguments...]`` runs
-``agora-worker`` with one lie patched into its averaging (from round ROUND on: a peer that
-turns after its replicas know it) and nothing else changed: it serves, trains, joins and
-announces honestly. The lies:
+``python -m agora_devkit.attacker ATTACK[@ROUND|@+N] [agora-worker arguments...]`` runs
+``agora-worker`` with one lie patched into its averaging (from the stage's round ROUND on, or
+after it took part in N rounds: a peer that turns after its replicas know it, or after its
+probation) and nothing else changed: it serves, trains, joins and announces honestly. The
+lies:
 
 - ``scaled``: every value it sends (and the centre of every slice it reduces) times 3;
 - ``sign_flip``: its values negated;
@@ -67,16 +68,32 @@ def _claim_ahead() -> None:
     tracker.StageProgressTracker._quiet_poke = poke_ahead
 
 
-def patch(attack: str, from_round: int = 0) -> None:
+class Turning:
+    """When the lie starts: at the stage's round ``from_round``, or (``relative``) after this
+    worker took part in ``from_round`` rounds (a joiner that passes its probation first)."""
+
+    def __init__(self, from_round: int, *, relative: bool = False):
+        self.from_round, self.relative = from_round, relative
+        self.seen: set[int] = set()
+
+    def lying(self, round_index: int) -> bool:
+        if not self.relative:
+            return round_index >= self.from_round
+        self.seen.add(round_index)
+        return len(self.seen) > self.from_round
+
+
+def patch(attack: str, from_round: int = 0, *, relative: bool = False) -> None:
     """Patch ``attack`` into this process's averaging (before the worker starts), for rounds
-    ``from_round`` on."""
+    ``from_round`` on (``relative``: after it took part in that many)."""
     from agora_worker.averaging import allreduce, matchmaking
 
+    turning = Turning(from_round, relative=relative)
     if attack in VALUE_LIES:
         lie, honest = VALUE_LIES[attack], allreduce.contribute
 
         async def contribute(*, values: np.ndarray, group, **kwargs):
-            if group.round >= from_round:
+            if turning.lying(group.round):
                 values = lie(np.asarray(values, np.float32))
             return await honest(values=values, group=group, **kwargs)
 
@@ -85,7 +102,7 @@ def patch(attack: str, from_round: int = 0) -> None:
         form_group = matchmaking.Matchmaker.form_group
 
         async def inflated(self, round_index, me, **kwargs):
-            if round_index >= from_round:
+            if turning.lying(round_index):
                 me = dataclasses.replace(me, weight=INFLATED_WEIGHT)
             return await form_group(self, round_index, me, **kwargs)
 
@@ -102,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         raise SystemExit(0 if args else 2)
     attack, _, from_round = args[0].partition("@")
-    patch(attack, int(from_round or 0))
+    patch(attack, int(from_round or 0), relative=from_round.startswith("+"))
     from agora_worker.cli import main as worker_main
 
     worker_main(args[1:], prog_name="agora-worker")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agora_core.schema import StageProgress
-from agora_worker.progress.decision import decide_step, known_reports
+from agora_worker.progress.decision import MAX_STEP_LEAD, decide_step, known_reports
 
 
 def report(node: str, step: int, samples: int) -> StageProgress:
@@ -69,17 +69,19 @@ def test_a_claim_far_past_the_quorum_step_is_not_heard():
     assert decision.stage_samples == 8  # a's samples still count
 
 
-def test_a_leader_a_step_or_two_ahead_is_followed():
+def test_a_leader_some_steps_ahead_is_followed():
     one_ahead = decide_step(5, 2, [report("a", 6, 0), report("z", 5, 0)], target=16)
     assert one_ahead.step_now and one_ahead.behind and one_ahead.ignored == ()
-    two_ahead = decide_step(5, 2, [report("a", 7, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
-    assert two_ahead.behind and two_ahead.stage_step == 7
-    three_ahead = decide_step(5, 2, [report("a", 8, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
-    assert not three_ahead.behind and three_ahead.ignored == ("a",)
+    lead = MAX_STEP_LEAD  # a leader that stepped on alone while its peers paused
+    far = decide_step(5, 2, [report("a", 5 + lead, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
+    assert far.behind and far.stage_step == 5 + lead
+    past = decide_step(5, 2, [report("a", 6 + lead, 0), report("b", 5, 0), report("c", 5, 0)], target=16)
+    assert not past.behind and past.ignored == ("a",)
 
 
 def test_a_laggard_follows_the_majority_however_far_behind():
-    decision = decide_step(5, 0, [report("a", 40, 1), report("b", 40, 2)], target=16)
-    assert decision.quorum_step == 40 and decision.behind and decision.stage_step == 40
-    pair = decide_step(5, 0, [report("a", 40, 1)], target=16)  # of two, the one ahead
+    far = 5 + 10 * MAX_STEP_LEAD
+    decision = decide_step(5, 0, [report("a", far, 1), report("b", far, 2)], target=16)
+    assert decision.quorum_step == far and decision.behind and decision.stage_step == far
+    pair = decide_step(5, 0, [report("a", far, 1)], target=16)  # of two, the one ahead
     assert pair.behind and pair.ignored == ()

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from agora_core.schema import StageProgress
 
 # How far a peer's claimed step may stand ahead of the stage's quorum step and still be heard.
-# An honest worker is ahead by one after it completed a batch; further only when its peers
-# stalled, and then they catch up to the quorum instead.
-MAX_STEP_LEAD = 2
+# An honest worker is one step ahead after it completed a batch, a few more when its peers
+# paused (serving a joiner its state, say) while it stepped on alone; they must still follow
+# it, or the stage splits in two that never meet again.
+MAX_STEP_LEAD = 64
 
 
 @dataclass(frozen=True)

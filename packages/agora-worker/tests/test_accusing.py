@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from agora_worker.averaging.accusing import Accuser
+from agora_core.admission.accusations import AccuserRecord
+from agora_worker.averaging.accusing import FLOAT32_MAX, Accuser
 from agora_worker.averaging.robust import Clipped
 
 ME, LIAR, HONEST = "m" * 40, "l" * 40, "h" * 40
@@ -56,3 +57,17 @@ def test_zero_rounds_never_accuses_and_itself_is_never_accused():
     a = accuser(after=1, window=1)
     assert a.observe(0, [clip(0, peer=ME)]) == []
     assert a.record() is None
+
+
+def test_non_finite_evidence_is_accused_and_its_record_still_valid():
+    """A peer that sent NaN or infinite values (or declared an infinite weight) leaves a
+    non-finite distance: the record holds it as the largest float32, so replicas take it."""
+    a = accuser(after=1, window=1)
+    nan, inf = float("nan"), float("inf")
+    assert a.observe(0, [clip(0, rms=nan), clip(0, peer=HONEST, role="weight", rms=inf)]) == [
+        (LIAR, "averaging_values"),
+        (HONEST, "averaging_weight"),
+    ]
+    value = a.record().to_value()
+    parsed = AccuserRecord.from_value(value)  # raises on a non-finite number
+    assert sorted(e.measured for acc in parsed.accusations for e in acc.evidence) == [FLOAT32_MAX] * 2

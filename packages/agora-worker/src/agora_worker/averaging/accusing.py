@@ -13,12 +13,14 @@ with the worst evidence of the newest rounds; the authorizer decides what follow
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 
 from agora_core import world
 from agora_core.admission.accusations import MAX_ACCUSED, MAX_EVIDENCE, Accusation, AccuserRecord, Evidence
 from agora_worker.averaging.robust import Clipped
 
+FLOAT32_MAX = 3.4028234663852886e38
 KIND_OF_ROLE = {"sender": "averaging_values", "reducer": "averaging_reducer", "weight": "averaging_weight"}
 
 
@@ -32,7 +34,8 @@ class _Seen:
     at: float = 0.0  # wall-clock seconds of the newest round
 
     def add(self, clipped: Clipped) -> None:
-        evidence = Evidence(clipped.round, clipped.slice, max(clipped.chunk, -1), clipped.rms, clipped.radius)
+        measured, radius = (_finite(v) for v in (clipped.rms, clipped.radius))
+        evidence = Evidence(clipped.round, clipped.slice, max(clipped.chunk, -1), measured, radius)
         kept = self.rounds.get(clipped.round)
         if kept is None:
             self.total += 1
@@ -41,6 +44,12 @@ class _Seen:
         if len(self.rounds) > self.keep:
             del self.rounds[min(self.rounds)]
         self.at = world.wall()
+
+
+def _finite(value: float) -> float:
+    """A distance for the record: a non-finite one (NaN or infinite values sent) as the
+    largest float32, which every reader can hold and compare."""
+    return value if math.isfinite(value) else FLOAT32_MAX
 
 
 def _excess(evidence: Evidence) -> float:

@@ -1,13 +1,16 @@
 """The local swarm's processes: `swarm.py down` and `kill-worker` act on the processes the swarm
 started, never on another process that got one of their pids after they ended (pids come round
 again quickly on a busy machine: a benchmark's tokenizing worker, say); runs starting together
-share the checkout's shards without writing them twice."""
+share the checkout's shards without writing them twice, and a run needing more never leaves
+the others a half-made set."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+from agora_core.config import load_run_config
 from agora_devkit.runs import tiny_run_toml
 from agora_localswarm.processes import Member, SwarmFile, alive, kill_last_worker, process_start, stop_all
 from agora_trainer.data.shards import open_shard_set
@@ -52,7 +55,7 @@ def test_down_still_stops_the_members_it_started(tmp_path):
         member.communicate(timeout=10)
 
 
-ENSURE = "import sys; from pathlib import Path; from agora_localswarm.cli import ensure_shards; ensure_shards(Path(sys.argv[1]), sys.argv[2], 64)"
+ENSURE = "import sys; from pathlib import Path; from agora_localswarm.cli import ensure_shards; ensure_shards(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if sys.argv[3:] else 64)"
 
 
 def test_runs_starting_at_once_make_the_shared_shards_once(tmp_path):
@@ -75,3 +78,32 @@ def test_runs_starting_at_once_make_the_shared_shards_once(tmp_path):
     assert [proc.returncode for proc in procs] == [0, 0], outs
     assert sum("making data shards" in out for out in outs) == 1, outs
     assert open_shard_set(shards, "train").shards and open_shard_set(shards, "validation").shards
+
+
+def test_a_set_too_small_for_a_later_run_is_replaced_whole(tmp_path):
+    """A run needing more samples than the shared set holds makes a bigger one; meanwhile the
+    folder holds the old complete set (a trainer reading it once found shard files and no
+    manifest, and failed), then the new one."""
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_run_toml("bigger-shards"))
+    shards = tmp_path / "shards" / "bytes"
+    subprocess.run([sys.executable, "-c", ENSURE, str(shards), str(config)], check=True, timeout=120)
+    seq_len = load_run_config(config).model.seq_len
+    held = sum(s.sample_count(seq_len) for s in open_shard_set(shards, "train").shards)
+    bigger = subprocess.Popen([sys.executable, "-c", ENSURE, str(shards), str(config), str(2 * held)])
+    seen_half_made = 0
+    try:
+        deadline = time.monotonic() + 120
+        while bigger.poll() is None and time.monotonic() < deadline:
+            files = {p.name for p in shards.iterdir()} if shards.exists() else set()
+            seen_half_made += bool(files) and "manifest.json" not in files
+            time.sleep(0.005)  # sampling the folder as a starting trainer would, not a wait
+        assert bigger.wait(timeout=1) == 0
+    finally:
+        bigger.kill()
+    assert seen_half_made == 0
+    assert sum(s.sample_count(seq_len) for s in open_shard_set(shards, "train").shards) > held
+    leftovers = [
+        p.name for p in shards.parent.iterdir() if p.name.startswith((".bytes.making", ".bytes.old"))
+    ]
+    assert leftovers == []

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import os
 import shutil
 import signal
 import subprocess
@@ -107,7 +108,9 @@ def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
     """Make shards unless ``shards`` holds ``min_samples`` training samples and a validation
     split, made with the run's tokenizer. The folder is shared by every run of the checkout:
     one process at a time checks and makes it (a lock file beside it), so two starting at
-    once never write the same shard files; the second finds the first's set."""
+    once never write the same shard files; the second finds the first's set. A set too small
+    for a later caller is made anew beside it and swapped in whole (:func:`_swap_in`): a run
+    already training on the old one, or starting meanwhile, never reads a half-made folder."""
     shards.parent.mkdir(parents=True, exist_ok=True)
     with _locked(shards.parent / f".{shards.name}.lock", shards):
         if _has_shards(shards, config, min_samples):
@@ -116,7 +119,9 @@ def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
         # Text for the samples asked (at most 4 bytes per token of a small BPE; 1 for bytes), 8 MB at least.
         max_mb = max(8.0, min_samples * run.model.seq_len * 4 * 1.25 / 1e6)
         click.echo(f"making data shards in {shards} from the Python standard library's sources ...")
-        command = checkout.tool("make_shards.py", str(shards), "--config", config)
+        staging = shards.parent / f".{shards.name}.making"
+        shutil.rmtree(staging, ignore_errors=True)  # a make that died half-way
+        command = checkout.tool("make_shards.py", str(staging), "--config", config)
         command += [
             "--shards",
             "8",
@@ -126,6 +131,17 @@ def ensure_shards(shards: Path, config: str, min_samples: int) -> None:
             str(VALIDATION_FRACTION),
         ]
         subprocess.run(command, check=True)
+        _swap_in(staging, shards)
+
+
+def _swap_in(staging: Path, shards: Path) -> None:
+    """Put the finished set ``staging`` at ``shards`` in two renames; a run that opened the old
+    set's files keeps reading them until it closes them."""
+    old = shards.parent / f".{shards.name}.old-{os.getpid()}"
+    if shards.exists():
+        os.rename(shards, old)
+    os.rename(staging, shards)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

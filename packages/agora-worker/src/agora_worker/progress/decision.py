@@ -55,7 +55,7 @@ def decide_step(
     too: the collector may hold only its peers' counts.
 
     A step is a peer's own claim: one more than ``max_lead`` past the quorum step is not
-    heard (a minority cannot make the stage step with nothing held), and is named in
+    heard (a minority cannot make the stage jump far ahead at once), and is named in
     ``ignored``."""
     quorum = quorum_step(step, peers)
     ignored = tuple(r.node_id for r in peers if r.step > quorum + max_lead)

@@ -14,13 +14,19 @@ worker that tells one lie and is otherwise honest
 the sync phases and the probation that send a joiner lying from its first round back to
 sync): ``scaled`` values (x3), ``sign_flip``, ``noise`` at the values'
 own RMS, ``push`` (a small step in one direction every round), ``weight`` (a declared weight
-of 1e9 samples), ``progress`` (stage progress 1000 steps ahead of its own). Figures per attack:
+of 1e9 samples), ``progress`` (stage progress 1000 steps ahead of its own); and three that
+lie in what they compute for the trainer, once they served ``--turn-after`` forwards honestly:
+``garbage`` (random outputs), ``zeros``, ``stale`` (forwards from the weights it held when it
+turned). The joiner makes its stage ``--replicas`` + 1 strong. Figures per attack:
 
 - ``<attack>.loss_ratio``: the trainer's mean loss over the last quarter of the samples, vs
   the honest baseline's over the same samples (target <= 1.05);
 - ``<attack>.clips_of_attacker``: averaging clips (``averaging_clipped`` lines) in the honest
   workers' logs that name the attacker, and ``<attack>.clips_of_honest`` those that name an
   honest worker;
+- ``<attack>.spot_check_failures``: the trainer's settled spot-check mismatches against the
+  attacker (``spot_check_mismatch`` lines), and ``<attack>.spot_check_failures_of_honest``
+  those against an honest worker (target 0);
 - ``<attack>.attacker_revoked``: 1 when the authorizer revoked its credential on its honest
   peers' accusations before the run ended (target 1), ``<attack>.seconds_to_revocation``
   how long after it started serving, and ``<attack>.honest_revoked`` the honest workers
@@ -89,10 +95,17 @@ async def one_run(args, report: Report, name: str, program: tuple[str, ...]) -> 
     clips = [set(re.findall(r"[0-9a-f]{12}", line)) for line in log_lines(honest_logs, "averaging_clipped")]
     attacker = member.node_id[:12]
     honest = {w[:12] for w in workers} - {attacker}
+    failed = [
+        found.group(1)[:12]
+        for line in log_lines(swarm.logs("trainer"), "spot_check_mismatch")
+        if (found := re.search(r"node=([0-9a-f]{40})", line))
+    ]
     return {
         "losses": [r["loss"] for r in read_losses(swarm.loss_log())],
         "clips_of_attacker": sum(attacker in ids for ids in clips),
         "clips_of_honest": sum(bool(ids & honest) for ids in clips),
+        "checks_failed_by_attacker": failed.count(attacker),
+        "checks_failed_by_honest": sum(node in honest for node in failed),
         "revoked_after": revoked_after,
         "honest_revoked": len({w for w in workers if w != member.node_id} & revoked_nodes(swarm)),
     }
@@ -136,6 +149,13 @@ async def main_async(args) -> None:
         report.add(
             f"{attack}.clips_of_honest", run["clips_of_honest"], "clip records naming an honest worker"
         )
+        report.add(f"{attack}.spot_check_failures", run["checks_failed_by_attacker"], "settled against it")
+        report.add(
+            f"{attack}.spot_check_failures_of_honest",
+            run["checks_failed_by_honest"],
+            "settled against an honest worker",
+            target="== 0",
+        )
         revoked = run["revoked_after"] is not None
         report.add(f"{attack}.attacker_revoked", int(revoked), "revoked before the run ended", target="== 1")
         if revoked:
@@ -159,7 +179,8 @@ def main() -> None:
         "--turn-after",
         type=int,
         default=8,
-        help="averaging rounds the attacker takes part in honestly (its sync and probation)",
+        help="averaging rounds the attacker takes part in honestly (its sync and probation); "
+        "for a compute lie, forwards it serves honestly",
     )
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "byzantine"), help="where the runs live")
     _harness.add_arguments(parser, deadline_s=3600)

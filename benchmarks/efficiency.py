@@ -2,7 +2,7 @@
 """Efficiency benchmark: the cost of decentralization, swarm vs centralized, same machine.
 
     python benchmarks/efficiency.py [--samples 1024] [--replicas 2 3] [--rounds 3] [--idle-seconds 20]
-                                    [--json] [--smoke]
+                                    [--no-spot-check-cost] [--json] [--smoke]
 
 The tiny example model (examples/tiny.toml) trained over the same samples, in the same order:
   * centralized: ``tools/reference_train.py`` (every stage in one process, batches of
@@ -11,7 +11,9 @@ The tiny example model (examples/tiny.toml) trained over the same samples, in th
     workers, one trainer), as a user runs it, once per ``--replicas`` count.
 Figures: swarm samples/s / centralized samples/s (target >= 0.63, the report's), the loss ratio over the last
 quarter of the samples, 3 replicas vs 2 (target >= 0.9x: a replica adds capacity, not cost),
-and what an idle swarm burns: cores used by all its processes together with no trainer.
+what an idle swarm burns: cores used by all its processes together with no trainer, and
+(``--spot-check-cost``, on unless ``--smoke``) the largest swarm's samples/s with its trainer's
+spot checks against the same swarm without them (target >= 0.97).
 Each round runs the centralized baseline and then every swarm, in turn; a ratio is taken
 within its round and the figure is the median over the rounds (values: the medians of the
 rates), so a noisy minute on a shared machine moves one round, not the figure. ``--smoke``: one
@@ -80,12 +82,17 @@ class SwarmRun:
     idle_ms_per_sample: float  # the cores' time no swarm process used, over that window
 
 
-def swarm(shards: Path, samples: int, replicas: int, folder: Path, note) -> SwarmRun:
-    """The main job with ``replicas`` workers per stage: its rate, tail loss and CPU account."""
-    run_dir = folder / f"swarm-r{replicas}"
+def swarm(
+    shards: Path, samples: int, replicas: int, folder: Path, note, *, spot_checks: bool = True
+) -> SwarmRun:
+    """The main job with ``replicas`` workers per stage: its rate, tail loss and CPU account
+    (``spot_checks`` False: its trainer checks no worker's output)."""
+    run_dir = folder / f"swarm-r{replicas}{'' if spot_checks else '-unchecked'}"
     flags = ["--config", str(CONFIG), "--shards", str(shards), "--samples", str(samples)]
     flags += ["--replicas", str(replicas), "--no-export", "--status-interval", "30"]
-    note(f"swarm: {replicas} workers per stage, {samples} samples")
+    if not spot_checks:
+        flags += ["--trainer-arg=--spot-check-fraction=0"]
+    note(f"swarm: {replicas} workers per stage, {samples} samples{'' if spot_checks else ', no spot checks'}")
     with CpuAccount(run_dir) as account:
         done = run_up(flags, run_dir, timeout_s=SWARM_RUN_S, capture=True)
     found = re.search(r"training throughput: ([\d.]+) samples/s", done.stdout)
@@ -160,8 +167,17 @@ def main() -> None:
     parser.add_argument(
         "--idle-seconds", type=float, default=20.0, help="idle window (0: skip the idle figure)"
     )
-    _harness.add_arguments(parser, deadline_s=2700)
-    args = _harness.parse(parser, smoke={"samples": 16, "replicas": [1], "rounds": 1, "idle_seconds": 1.0})
+    parser.add_argument(
+        "--spot-check-cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the largest swarm with no spot checks, for their cost",
+    )
+    _harness.add_arguments(parser, deadline_s=3600)
+    args = _harness.parse(
+        parser,
+        smoke={"samples": 16, "replicas": [1], "rounds": 1, "idle_seconds": 1.0, "spot_check_cost": False},
+    )
     report = Report("efficiency", as_json=args.json)
     shards = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swarm.py default)
     report.note(f"the main job's shards, for {args.samples} samples")
@@ -170,6 +186,8 @@ def main() -> None:
         folder = Path(tmp)
         central: list[tuple[float, float]] = []  # (samples/s, tail loss) per round
         swarms: dict[int, list[SwarmRun]] = {r: [] for r in args.replicas}
+        checked = max(args.replicas)  # where votes settle mismatches (3 replicas or more)
+        unchecked: list[SwarmRun] = []
         for index in range(args.rounds):
             report.note(f"round {index + 1} of {args.rounds}")
             here = folder / f"round-{index}"
@@ -177,6 +195,8 @@ def main() -> None:
             central.append(centralized(shards, args.samples, here, report.note))
             for replicas in args.replicas:
                 swarms[replicas].append(swarm(shards, args.samples, replicas, here, report.note))
+            if args.spot_check_cost:
+                unchecked.append(swarm(shards, args.samples, checked, here, report.note, spot_checks=False))
             rates = ", ".join(f"r{r} {swarms[r][-1].rate:.1f}" for r in args.replicas)
             report.note(f"round {index + 1}: centralized {central[-1][0]:.1f}, {rates} samples/s")
         rate = median([c[0] for c in central])
@@ -206,6 +226,15 @@ def main() -> None:
                 baseline=median([r.rate for r in swarms[2]]),
                 ratio=median([r3.rate / r2.rate for r3, r2 in zip(swarms[3], swarms[2], strict=True)]),
                 target="ratio >= 0.9",
+            )
+        if unchecked:
+            report.add(
+                f"swarm_r{checked}_spot_checked_vs_unchecked_samples_per_s",
+                median([r.rate for r in swarms[checked]]),
+                "samples/s",
+                baseline=median([r.rate for r in unchecked]),
+                ratio=median([c.rate / u.rate for c, u in zip(swarms[checked], unchecked, strict=True)]),
+                target="ratio >= 0.97 (spot checks cost at most 3 %)",
             )
         for replicas in args.replicas:
             report_cpu_account(report, swarms[replicas], replicas, rate)

@@ -39,13 +39,15 @@ NOW = 1_700_000_000.0
 # --- the rules, on their own ----------------------------------------------------------------
 
 
-def held(node_id: str, account: str, stage: int | None = 1, *, expires=NOW + 600, revoked=None):
+def held(
+    node_id: str, account: str, stage: int | None = 1, *, expires=NOW + 600, revoked=None, role="worker"
+):
     return IssuedCredential(
         serial=1,
         request_id=None,
         node_id=node_id,
         public_key=bytes(32),
-        role="worker",
+        role=role,
         stage=stage,
         account=account,
         issued=NOW - 60,
@@ -91,6 +93,41 @@ def test_an_accuser_without_a_live_credential_on_the_stage_of_another_account_do
     assert why in discount(accused_by("a"), credentials, {}, anchors=(), now=NOW)
     credentials["a"] = held("a", "alice")
     assert discount(accused_by("a"), credentials, {}, anchors=(), now=NOW) is None
+
+
+def test_only_a_trainer_accuses_of_compute_and_only_a_worker_of_its_stage_of_averaging():
+    trainer = held("t", "tom", stage=None, role="trainer")
+    credentials = {"x": held("x", "xavier"), "t": trainer, "a": held("a", "alice")}
+    checked = accused_by("t", kind="compute_output")
+    assert discount(checked, credentials, {}, anchors=(), now=NOW) is None  # a trainer has no stage
+    assert "only a trainer" in discount(
+        accused_by("a", kind="compute_output"), credentials, {}, anchors=(), now=NOW
+    )
+    assert "stage None" in discount(accused_by("t"), credentials, {}, anchors=(), now=NOW)
+    credentials["t"] = dataclasses.replace(trainer, expires=NOW - 1)
+    assert "no live credential" in discount(checked, credentials, {}, anchors=(), now=NOW)
+
+
+def test_one_anchor_trainers_spot_checks_convict_and_another_trainers_need_a_second_account():
+    nodes = [held("t1", "tom", stage=None, role="trainer"), held("o1", "ops", stage=None, role="trainer")]
+    credentials = [held("x", "xavier"), *nodes, held("a", "alice")]
+    outsider = charges(
+        docket(accused_by("t1", kind="compute_output"), credentials=credentials), anchors={"ops"}, now=NOW
+    )
+    assert not outsider["x"].anchor_checked
+    assert not outsider["x"].convicts(2, anchor_checks=True)  # one account alone never bans
+    anchor = charges(
+        docket(accused_by("o1", kind="compute_output"), credentials=credentials), anchors={"ops"}, now=NOW
+    )
+    assert anchor["x"].anchor_checked and anchor["x"].convicts(2, anchor_checks=True)
+    assert not anchor["x"].convicts(2, anchor_checks=False)  # the run's policy turns it off
+    assert not anchor["x"].convicts(0, anchor_checks=True)  # 0: accusations are only listed
+    # an anchor worker's averaging accusation is one witness, not a conviction
+    worker = charges(docket(accused_by("a"), credentials=credentials), anchors={"alice"}, now=NOW)
+    assert not worker["x"].anchor_checked and not worker["x"].convicts(2, anchor_checks=True)
+    # a trainer and a worker of two accounts are two independent accusers
+    both = docket(accused_by("t1", kind="compute_output"), accused_by("a"), credentials=credentials)
+    assert charges(both, anchors=(), now=NOW)["x"].convicts(2, anchor_checks=True)
 
 
 def test_an_accused_without_a_stage_is_not_judged():

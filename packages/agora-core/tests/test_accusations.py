@@ -10,6 +10,7 @@ from agora_core.admission.accusations import (
     MAX_ACCUSED,
     Accusation,
     AccuserRecord,
+    CheckEvidence,
     Evidence,
     accusations_key,
     parse_accusations,
@@ -69,6 +70,34 @@ def test_malformed_accusations_are_refused(change, message):
     change(value)
     with pytest.raises(RecordRejected, match=message):
         AccuserRecord.from_value(value)
+
+
+def trainer_record(accuser: NodeKey, accused: str) -> dict:
+    evidence = (CheckEvidence(check=12, stage=1, measured=1.4, agreed=0.2, tolerance=0.6),)
+    accusation = Accusation(accused, "compute_output", rounds=3, at=1000.0, evidence=evidence)
+    return AccuserRecord(accuser.node_id, None, (accusation,), 1001.0).to_value()
+
+
+def test_a_trainers_spot_check_accusation_round_trips_and_is_refused_where_it_does_not_belong(store):
+    trainer = NodeKey.generate()
+    value = trainer_record(trainer, "a" * 40)
+    parsed = AccuserRecord.from_value(value)
+    assert parsed.to_value() == value and parsed.stage is None
+    assert parsed.accusations[0].evidence[0] == CheckEvidence(12, 1, 1.4, 0.2, 0.6)
+    assert write(store, trainer, value)
+    # a trainer (no stage) accuses of compute only, a worker (a stage) of averaging only
+    averaging = record(trainer, "a" * 40)
+    averaging["stage"] = None
+    with pytest.raises(RecordRejected, match="without a stage accuses of"):
+        AccuserRecord.from_value(averaging)
+    staged = dict(value, stage=1)
+    with pytest.raises(RecordRejected, match="with a stage accuses of"):
+        AccuserRecord.from_value(staged)
+    # evidence that does not show a mismatch is no evidence
+    for bad in ([12, 1, 0.5, 0.2, 0.6], [12, 1, 1.4, 0.7, 0.6], [12, 1, 1.4, 0.2], [12, -1, 1.4, 0.2, 0.6]):
+        value["accusations"][0]["evidence"] = [bad]
+        with pytest.raises(RecordRejected, match="check evidence"):
+            AccuserRecord.from_value(value)
 
 
 def test_a_node_accuses_only_in_its_own_name_and_never_itself(store):

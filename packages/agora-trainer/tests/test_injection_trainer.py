@@ -16,29 +16,20 @@ from pathlib import Path
 import numpy as np
 
 from agora_core.config import OperatorConfig, RunConfig
-from agora_core.config.run import DhtConfig, ModelConfig, TransportConfig
+from agora_core.config.run import TransportConfig
 from agora_core.identity import NodeKey
 from agora_core.injection import Targets
 from agora_core.injection.publish import new_injection, publish
 from agora_devkit.processes import wait_until_async
-from agora_devkit.trainer import StandInSwarm
+from agora_devkit.trainer import StandInSwarm, stand_in_run
 from agora_trainer.data.sharding import make_shards
 from agora_trainer.data.tokenizer import ByteTokenizer
 
 OPERATOR = NodeKey.generate()
 K = 4  # the boundary width
-RUN = RunConfig(
-    name="inject-trainer",
-    model=ModelConfig(
-        kind="surrogate",
-        d_model=32,
-        n_heads=2,
-        subspace_rank=K,
-        vocab_size=256,
-        seq_len=8,
-        stage_layers=(1, 1),
-    ),
-    dht=DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0),
+RUN = stand_in_run(
+    "inject-trainer",
+    K,
     operator=OperatorConfig(public_keys=[OPERATOR.public_key.hex()], injection_watch_s=0.05),
 )
 

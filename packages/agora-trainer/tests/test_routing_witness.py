@@ -20,6 +20,7 @@ from agora_core.rpc import Payload
 from agora_core.schema import WorkerAnnouncement
 from agora_trainer.balancer import StageBalancer
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig
+from agora_trainer.spotcheck import SpotCheckConfig
 
 K = 4  # the boundary width
 
@@ -81,6 +82,7 @@ def make_router(
     pipeline: StandInPipeline, balancers: list[StageBalancer], **config
 ) -> tuple[PipelineRouter, NodeMetrics]:
     metrics = NodeMetrics(role="trainer", instance="t")
+    config = {"spot_check": SpotCheckConfig(fraction=0.0), **config}  # calls are counted here
     return PipelineRouter(pipeline, balancers, RoutingConfig(**config), Counters(), metrics), metrics
 
 

@@ -15,11 +15,10 @@ from collections import Counter
 
 import pytest
 
-from agora_core.config import OperatorConfig, RunConfig
-from agora_core.config.run import DhtConfig, ModelConfig
+from agora_core.config import OperatorConfig
 from agora_core.identity import NodeKey
 from agora_devkit.processes import wait_until_async
-from agora_devkit.trainer import StandInSwarm
+from agora_devkit.trainer import StandInSwarm, stand_in_run
 from agora_trainer.data.cursor import SampleCursor
 from agora_trainer.data.rotation_record import (
     RotationError,
@@ -37,19 +36,8 @@ from agora_trainer.trainer import Trainer
 SEQ = 8
 K = 4
 OPERATOR = NodeKey.generate()
-RUN = RunConfig(
-    name="rotation",
-    model=ModelConfig(
-        kind="surrogate",
-        d_model=32,
-        n_heads=2,
-        subspace_rank=K,
-        vocab_size=256,
-        seq_len=SEQ,
-        stage_layers=(1, 1),
-    ),
-    dht=DhtConfig(gossip_period_s=0.2, probe_timeout_s=0.1, suspicion_timeout_s=2.0, op_timeout_s=2.0),
-    operator=OperatorConfig(public_keys=[OPERATOR.public_key.hex()], injection_watch_s=0.2),
+RUN = stand_in_run(
+    "rotation", K, operator=OperatorConfig(public_keys=[OPERATOR.public_key.hex()], injection_watch_s=0.2)
 )
 
 

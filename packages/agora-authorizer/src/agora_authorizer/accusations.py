@@ -1,12 +1,14 @@
 """Judging accusations: a node accused by enough independent accusers is banned and revoked.
 
-Workers that keep clipping a peer's averaging contributions accuse it in the DHT
+Workers that keep clipping a peer's averaging contributions, and trainers whose spot checks
+caught a worker's output standing apart, accuse it in the DHT
 (:mod:`agora_core.admission.accusations`). :class:`AccusationJudge` reads those entries every
 few seconds, records every accusation in the database (the operator lists them with
 ``agora-authorizer accusations``), and counts each accused node's *independent accusers*:
 
-* the accuser holds a live, unrevoked credential, on the stage of the accused's newest
-  credential (an accused that holds no stage is not judged);
+* the accuser holds a live, unrevoked credential of the role that sees what it accuses of:
+  a worker on the stage of the accused's newest credential for averaging, a trainer for
+  compute (an accused that holds no stage is not judged);
 * it counts once per account: many nodes of one account are one accuser, and an account
   does not accuse its own nodes; except that every node of an anchor account (the run's
   ``admission.anchor_accounts``: the operator's own) counts on its own, against any node;
@@ -14,7 +16,9 @@ few seconds, records every accusation in the database (the operator lists them w
 
 At ``admission.revoke_after_accusers`` of them (0: never) the node is banned, its
 credentials revoked, and the revocation list republished at once, so the accused is dropped
-by its peers within seconds. One account, however many nodes it runs, never bans anyone.
+by its peers within seconds. One account, however many nodes it runs, never bans anyone;
+except the operator's own trainers: with ``admission.revoke_on_anchor_spot_check``, one
+anchor trainer's spot-check accusation is enough.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 from agora_authorizer.revocation_publisher import RevocationPublisher
 from agora_authorizer.store import Docket, IssuedCredential, RecordedAccusation, Store
 from agora_core import world
-from agora_core.admission.accusations import accusations_key, parse_accusations
+from agora_core.admission.accusations import TRAINER_KINDS, accusations_key, parse_accusations
 from agora_core.config import RunConfig
 from agora_core.dht import DhtNode
 from agora_core.errors import AgoraError
@@ -54,7 +58,10 @@ def discount(
     accuser = credentials.get(accusation.accuser)
     if accuser is None or not accuser.live(now):
         return "the accuser holds no live credential"
-    if accuser.stage != accused.stage:
+    if accusation.kind in TRAINER_KINDS:
+        if accuser.role != "trainer":
+            return f"only a trainer spot-checks compute; the accuser is a {accuser.role}"
+    elif accuser.role != "worker" or accuser.stage != accused.stage:
         return f"the accuser serves stage {accuser.stage}, the accused stage {accused.stage}"
     if accuser.account == accused.account and accuser.account not in anchors:
         return f"the accuser is of the accused's own account {accused.account!r}"
@@ -81,6 +88,14 @@ class Charge:
     witnesses: set[str] = field(default_factory=set)  # independent accusers (see witness())
     accusers: set[str] = field(default_factory=set)  # their node ids
     kinds: set[str] = field(default_factory=set)
+    anchor_checked: bool = False  # an anchor trainer's spot checks accuse it
+
+    def convicts(self, revoke_after: int, *, anchor_checks: bool) -> bool:
+        """Whether the charge bans its node, ``revoke_after`` (0: never) independent accusers
+        needed, or one anchor trainer's spot checks where ``anchor_checks``."""
+        if revoke_after <= 0:
+            return False
+        return len(self.witnesses) >= revoke_after or (anchor_checks and self.anchor_checked)
 
     def named(self) -> list[str]:
         """The independent accusers for people to read: an anchor's node by its id's first 12
@@ -110,6 +125,8 @@ def charges(docket: Docket, *, anchors: Collection[str], now: float) -> dict[str
         charge.witnesses.add(witness(accuser, anchors))
         charge.accusers.add(accusation.accuser)
         charge.kinds.add(accusation.kind)
+        if accusation.kind in TRAINER_KINDS and accuser.account in anchors:
+            charge.anchor_checked = True
     return found
 
 
@@ -133,6 +150,7 @@ class AccusationJudge:
         self.key = accusations_key(run.name)
         self.revoke_after = run.admission.revoke_after_accusers  # 0: never
         self.anchors = frozenset(run.admission.anchor_accounts)
+        self.anchor_checks = run.admission.revoke_on_anchor_spot_check
         self.period_s = min(revocations.period_s, MAX_PERIOD_S)
         self._m_recorded = metrics.counter(
             "agora_authorizer_accusations_total", "Accusations recorded (accuser, accused, kind).", ["kind"]
@@ -162,10 +180,11 @@ class AccusationJudge:
         found = charges(docket, anchors=self.anchors, now=now)
         self._m_accused.set(len(found))
         convicted = []
-        if self.revoke_after > 0:
-            for charge in sorted(found.values(), key=lambda c: c.accused):
-                if len(charge.witnesses) >= self.revoke_after and await self._ban(charge, docket):
-                    convicted.append(charge)
+        for charge in sorted(found.values(), key=lambda c: c.accused):
+            if charge.convicts(self.revoke_after, anchor_checks=self.anchor_checks) and await self._ban(
+                charge, docket
+            ):
+                convicted.append(charge)
         if convicted:
             await self.revocations.publish()  # at once: its peers drop it within a DHT read
         return convicted

@@ -23,9 +23,12 @@ def accusations_report(
     node: str | None = None,
     anchors: Collection[str] = (),
     revoke_after: int | None = None,
+    anchor_checks: bool = False,
 ) -> dict[str, Any]:
     """The accusations (against ``node`` only, if given) by accused node: those with the
-    most independent accusers first, then the most recently accused."""
+    most independent accusers first, then the most recently accused. ``revoke_after`` and
+    ``anchor_checks``: the run's policy (``admission.revoke_after_accusers`` and
+    ``revoke_on_anchor_spot_check``), None when the run's config is not at hand."""
     docket = store.docket(accused=node, with_banned=True)
     ban_reasons = {b.target: b.reason for b in store.bans() if b.kind == "node"}
     credentials = docket.credentials
@@ -37,6 +40,7 @@ def accusations_report(
             {
                 "accuser": a.accuser,
                 "accuser_account": None if accuser is None else accuser.account,
+                "accuser_role": None if accuser is None else accuser.role,
                 "accuser_stage": None if accuser is None else accuser.stage,
                 "kind": a.kind,
                 "rounds": a.rounds,
@@ -73,6 +77,7 @@ def accusations_report(
         "database": store.url,
         "anchor_accounts": sorted(anchors),
         "revoke_after_accusers": revoke_after,
+        "revoke_on_anchor_spot_check": anchor_checks and revoke_after is not None,
         "accused": accused,
     }
 
@@ -95,6 +100,8 @@ def format_accusations(report: dict[str, Any]) -> str:
             if revoke
             else "never revoked (revoke_after_accusers = 0)"
         )
+        if revoke and report["revoke_on_anchor_spot_check"]:
+            rule += ", or by one anchor trainer's spot checks"
         anchors = ", ".join(report["anchor_accounts"]) or "none"
         lines.append(f"judged     {rule}; anchor accounts: {anchors}")
     for n in accused:
@@ -112,8 +119,9 @@ def format_accusations(report: dict[str, Any]) -> str:
         for item in n["accusations"]:
             verdict = "counts" if item["counts"] else f"does not count: {item['why_not']}"
             account = item["accuser_account"] or "?"
+            seen = "failed checks" if item["accuser_role"] == "trainer" else "rounds"
             lines.append(
-                f"    by {item['accuser'][:12]} ({account}): {item['kind']}, {item['rounds']} rounds, "
+                f"    by {item['accuser'][:12]} ({account}): {item['kind']}, {item['rounds']} {seen}, "
                 f"last {_time(item['made'])}; {verdict}"
             )
     return "\n".join(lines)

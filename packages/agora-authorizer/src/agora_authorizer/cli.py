@@ -300,14 +300,20 @@ def unban(target, db, key_file, kind) -> None:
 def accusations(db, key_file, node_id, config_file, as_json) -> None:
     """Every accusation recorded, by accused node: its ban and pardon, its independent
     accusers, and for each accusation whether it counts toward a revocation (and if not, why)."""
-    anchors, revoke_after = (), None
+    anchors, revoke_after, anchor_checks = (), None, False
     if config_file:
         run = load_config(config_file)
         anchors, revoke_after = run.admission.anchor_accounts, run.admission.revoke_after_accusers
+        anchor_checks = run.admission.revoke_on_anchor_spot_check
     store = open_store(db, key_file)
     try:
         report = accusations_report(
-            store, now=time.time(), node=node_id, anchors=anchors, revoke_after=revoke_after
+            store,
+            now=time.time(),
+            node=node_id,
+            anchors=anchors,
+            revoke_after=revoke_after,
+            anchor_checks=anchor_checks,
         )
     finally:
         store.close()

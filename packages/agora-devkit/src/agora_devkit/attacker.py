@@ -15,6 +15,15 @@ lies:
 - ``progress``: its stage-progress reports and pushes claim ``CLAIMED_LEAD`` steps more than
   it took (ROUND does not apply: it lies from the start).
 
+Lies in what it computes for trainers (``@+N``: after it served N forward requests honestly;
+ROUND alone does not apply), while it trains and averages honestly:
+
+- ``garbage``: outputs (boundaries, the tail's losses and input gradients) replaced by random
+  values of their own RMS;
+- ``zeros``: outputs replaced by zeros;
+- ``stale``: forwards (and the tail's losses) computed with the weights it held when it
+  turned, never updated since.
+
 agora-devkit is never a dependency of a role: no installed worker can run this.
 """
 
@@ -44,7 +53,8 @@ VALUE_LIES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "noise": _noise,
     "push": lambda values: values + np.float32(PUSH_PER_VALUE),
 }
-ATTACKS = (*VALUE_LIES, "weight", "progress")
+COMPUTE_LIES = ("garbage", "zeros", "stale")
+ATTACKS = (*VALUE_LIES, "weight", "progress", *COMPUTE_LIES)
 
 
 def _claim_ahead() -> None:
@@ -83,6 +93,74 @@ class Turning:
         return len(self.seen) > self.from_round
 
 
+def _computes_wrongly(attack: str, after_forwards: int) -> None:
+    """Patch the stage backend's served outputs with ``attack`` once it served
+    ``after_forwards`` forward requests (training, its own gradients, stays honest)."""
+    import copy
+
+    import torch
+
+    from agora_worker.serving import backend
+
+    served = [0]
+    frozen: dict = {}  # "module": the stage as it was when the lie began (stale)
+    rng = torch.Generator().manual_seed(0)
+
+    def lying(self) -> bool:
+        if served[0] < after_forwards:
+            return False
+        if attack == "stale" and "module" not in frozen:
+            frozen["module"] = copy.deepcopy(self.module)
+        return True
+
+    def wrong(value: torch.Tensor) -> torch.Tensor:
+        if attack == "zeros":
+            return torch.zeros_like(value)
+        rms = float(value.float().pow(2).mean().sqrt()) or 1.0
+        noise = torch.randn(value.shape, generator=rng) * rms
+        return noise.abs().to(value.dtype) if value.dim() == 1 else noise.to(value.dtype)  # losses stay >= 0
+
+    def stale(self, method, *args):
+        # one compute thread calls the backend: swapping its module for a call is safe
+        kept, self.module = self.module, frozen["module"]
+        try:
+            return method(self, *args)
+        finally:
+            self.module = kept
+
+    honest_forward, honest_evaluate = backend.StageBackend.forward, backend.StageBackend.evaluate
+    honest_fb = backend.StageBackend.forward_backward
+
+    def forward(self, tokens, boundary):
+        served[0] += 1
+        if not lying(self):
+            return honest_forward(self, tokens, boundary)
+        if attack == "stale":
+            return stale(self, honest_forward, tokens, boundary)
+        return wrong(honest_forward(self, tokens, boundary))
+
+    def evaluate(self, tokens, boundary, labels):
+        served[0] += 1
+        if not lying(self):
+            return honest_evaluate(self, tokens, boundary, labels)
+        if attack == "stale":
+            return stale(self, honest_evaluate, tokens, boundary, labels)
+        return wrong(honest_evaluate(self, tokens, boundary, labels))
+
+    def forward_backward(self, tokens, boundary, labels):
+        served[0] += 1
+        losses, grad = honest_fb(self, tokens, boundary, labels)
+        if not lying(self):
+            return losses, grad
+        if attack == "stale":
+            return stale(self, honest_evaluate, tokens, boundary, labels), grad
+        return wrong(losses), wrong(grad)
+
+    backend.StageBackend.forward = forward
+    backend.StageBackend.evaluate = evaluate
+    backend.StageBackend.forward_backward = forward_backward
+
+
 def patch(attack: str, from_round: int = 0, *, relative: bool = False) -> None:
     """Patch ``attack`` into this process's averaging (before the worker starts), for rounds
     ``from_round`` on (``relative``: after it took part in that many)."""
@@ -109,6 +187,8 @@ def patch(attack: str, from_round: int = 0, *, relative: bool = False) -> None:
         matchmaking.Matchmaker.form_group = inflated
     elif attack == "progress":
         _claim_ahead()
+    elif attack in COMPUTE_LIES:
+        _computes_wrongly(attack, from_round if relative else 0)
     else:
         raise SystemExit(f"unknown attack {attack!r}: one of {', '.join(ATTACKS)}")
 

@@ -152,6 +152,20 @@ class StageBalancer:
         entry = self._entries.get(node_id)
         return entry is not None and entry.banned_until > world.monotonic()
 
+    def checkers(self, samples: int, exclude: frozenset[str] = frozenset()) -> list[WorkerRef]:
+        """The workers a spot check may ask now: visible, not banned for a failed call, taking
+        ``samples`` in one request; distrusted ones too (a check's output is never used, and a
+        distrusted worker goes on being checked)."""
+        now = world.monotonic()
+        return [
+            e.ref
+            for node_id, e in self._entries.items()
+            if node_id not in exclude
+            and self.visible(node_id)
+            and e.banned_until <= now
+            and e.ref.max_batch >= samples
+        ]
+
     @property
     def workers(self) -> list[WorkerRef]:
         now = world.monotonic()

@@ -53,7 +53,8 @@ def status_line(trainer: Trainer) -> str:
     loss = "-" if s["loss"] is None else f"{s['loss']:.3f} (ema {s['loss_ema']:.3f})"
     return (
         f"samples {s['completed']} ({s['samples_per_s']:.2f}/s, {s['tokens_per_s']:.0f} tok/s)  loss {loss}  "
-        f"in flight {s['in_flight']}  workers/stage {s['workers']}  retries {s['retries']}  bans {s['bans']}"
+        f"in flight {s['in_flight']}  workers/stage {s['workers']}  retries {s['retries']}  bans {s['bans']}  "
+        f"spot checks {s['spot_checks']} ({s['spot_mismatches']} failed)"
     )
 
 
@@ -180,6 +181,12 @@ async def _follow(trainer: Trainer, training: asyncio.Task, status_interval_s: f
     help="pinned (default): a backward goes to the worker that ran its forward; random: ablation only.",
 )
 @click.option("--loss-log", help="Append one JSON line per completed sample (id, loss, time) to this file.")
+@click.option(
+    "--spot-check-fraction",
+    type=float,
+    help="Of the microbatches, the fraction whose output at each stage is recomputed on another "
+    "replica to catch a worker that computes wrongly (default 0.05; 0: none).",
+)
 @click.option(
     "--refresh-interval", "refresh_interval_s", type=float, help="Seconds between worker-list refreshes."
 )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from agora_core.config import require
 from agora_trainer.data.rotation_record import parse_ranges
+from agora_trainer.spotcheck import CHECK_FRACTION
 from agora_trainer.witness import DISTRUST_S, OUTLIER_RATIO
 
 
@@ -36,6 +37,9 @@ class TrainerSettings:
     # is a loss outlier (agora_trainer.witness) and gets no new microbatch for distrust_s.
     loss_outlier_ratio: float = OUTLIER_RATIO
     distrust_s: float = DISTRUST_S
+    # Of the microbatches, the fraction whose output at each stage is asked again of another
+    # replica (agora_trainer.spotcheck); a worker caught twice is accused. 0: no checks.
+    spot_check_fraction: float = CHECK_FRACTION
 
     def __post_init__(self) -> None:
         require(self.lanes >= 1, "lanes", "must be >= 1")
@@ -46,6 +50,7 @@ class TrainerSettings:
         require(self.max_attempts >= 1, "max_attempts", "must be >= 1")
         require(self.backward_routing in ("pinned", "random"), "backward_routing", "must be pinned or random")
         require(self.loss_outlier_ratio > 1.0, "loss_outlier_ratio", "must be > 1")
+        require(0.0 <= self.spot_check_fraction <= 1.0, "spot_check_fraction", "must lie in [0, 1]")
         require(self.max_requeues >= 0, "max_requeues", "must be >= 0")
         require(self.epochs >= 1, "epochs", "must be >= 1")
         require(self.shard_adopt_after_s > 0, "shard_adopt_after_s", "must be positive")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from agora_core import world
+from agora_core.admission.accusations import accusations_key
 from agora_core.admission.revocations import parse_revocations, revocations_key
 from agora_core.config import RunConfig
 from agora_core.dht import DhtError
@@ -46,6 +47,7 @@ from agora_trainer.data.rotation_record import longest_ttl_s
 from agora_trainer.data.shards import open_shard_set
 from agora_trainer.routing import Counters, LaneState, PipelineRouter, RoutingConfig, SampleFailed
 from agora_trainer.settings import TrainerSettings
+from agora_trainer.spotcheck import SpotCheckConfig
 from agora_trainer.witness import WitnessConfig
 
 log = get_logger("trainer")
@@ -118,10 +120,17 @@ class Trainer:
             pin_backward=self.settings.backward_routing == "pinned",
             witness=WitnessConfig(ratio=self.settings.loss_outlier_ratio),
             distrust_s=self.settings.distrust_s,
+            spot_check=SpotCheckConfig(fraction=self.settings.spot_check_fraction),
         )
         self.injections = InjectionPoints()  # where the operator's injected failures fire
         self.router = PipelineRouter(
-            self.client, self.balancers, routing, self.counters, self.metrics, injections=self.injections
+            self.client,
+            self.balancers,
+            routing,
+            self.counters,
+            self.metrics,
+            injections=self.injections,
+            node_id=key.node_id,
         )
         self.injection_watch = self.member.injection_watcher(
             stage=None,
@@ -129,6 +138,7 @@ class Trainer:
             effects=NodeEffects(slow=self.router.slowdown.set, corrupt_next_gradient=self._corrupt_next),
         )
         self.progress = OwnedEntry(self.dht, key, trainer_progress_key(run.name))
+        self.accusations = OwnedEntry(self.dht, key, accusations_key(run.name))  # its spot checks'
         self.rotation = ShardRotation(
             dht=self.dht,
             key=key,
@@ -254,7 +264,11 @@ class Trainer:
         )
 
     async def publish_progress(self) -> None:
+        """Progress, and the accusations its spot checks stand by (every period: they expire)."""
         await self.progress.publish(self.report().to_value(), self.run.dht.record_ttl_s)
+        accusations = self.router.spot.record()
+        if accusations is not None:
+            await self.accusations.publish(accusations.to_value(), self.run.dht.record_ttl_s)
 
     async def _progress_loop(self) -> None:
         while True:
@@ -372,6 +386,10 @@ class Trainer:
             "retries": self.counters.retries,
             "bans": sum(b.bans for b in self.balancers),
             "outliers": self.counters.outliers,
+            "spot_checks": self.counters.spot_checks,
+            "spot_mismatches": self.counters.spot_mismatches,
+            "spot_unresolved": self.counters.spot_unresolved,
+            "accused": sorted(self.router.spot.accused),
             "workers": [len(b.workers) for b in self.balancers],
             "abandoned": self.abandoned,
         }

@@ -27,6 +27,7 @@ from agora_authorizer.store.rows import (
 from agora_core.admission.accusations import AccuserRecord
 
 _UPDATED = ("accuser_stage", "rounds", "at", "evidence", "last_seen")  # what a new reading overwrites
+NO_STAGE = -1  # accuser_stage of a trainer's entry (it serves no stage)
 
 
 def _rows(records: Iterable[AccuserRecord], now: float) -> dict[tuple[str, str, str], dict]:
@@ -41,7 +42,7 @@ def _rows(records: Iterable[AccuserRecord], now: float) -> dict[tuple[str, str, 
                 "accuser": record.accuser,
                 "accused": accusation.accused,
                 "kind": accusation.kind,
-                "accuser_stage": record.stage,
+                "accuser_stage": NO_STAGE if record.stage is None else record.stage,
                 "rounds": accusation.rounds,
                 "at": accusation.at,
                 "at_seen": now,

@@ -92,7 +92,7 @@ class RecordedAccusation:
     accuser: str
     accused: str
     kind: str  # agora_core.admission.accusations.KINDS
-    accuser_stage: int  # the stage the accuser's entry names (its credential's is what counts)
+    accuser_stage: int  # the stage the accuser's entry names, -1 a trainer's (its credential's counts)
     rounds: int  # distinct rounds the accuser saw it in
     at: float  # the accuser's clock: the newest of those rounds
     at_seen: float  # the authorizer's clock: when it first read that ``at``

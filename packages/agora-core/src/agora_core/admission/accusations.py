@@ -1,16 +1,21 @@
 """Accusations: what a node saw another do wrong, signed and published for the authorizer.
 
-A detector (today: an averaging peer that kept clipping another's contributions) writes
-its accusations under ``<run>/accusations``, in the subkey its own key owns, so every entry
-is signed by its accuser and nobody can accuse in another's name: :func:`check_accusations`
-is the validator every replica runs on it. One entry per accuser holds all its current
-accusations (at most ``MAX_ACCUSED``), each with the evidence behind it: the rounds it
-saw, and for each the distance and radius it measured, for anyone who holds the same
-parameters to hold against their own.
+Two detectors write accusations under ``<run>/accusations``, each in the subkey its own key
+owns, so every entry is signed by its accuser and nobody can accuse in another's name
+(:func:`check_accusations` is the validator every replica runs on it):
 
+* an averaging peer that kept clipping another's contributions (``WORKER_KINDS``); its
+  evidence is :class:`Evidence`: the rounds it saw, and for each the distance and radius it
+  measured, for anyone who holds the same parameters to hold against their own;
+* a trainer whose spot checks caught a worker's output standing apart from two other
+  replicas that agreed (``TRAINER_KINDS``); its evidence is :class:`CheckEvidence`.
+
+One entry per accuser holds all its current accusations (at most ``MAX_ACCUSED``).
 An accusation alone bans nobody: the authorizer counts *independent* accusers (distinct
-accounts, on the accused's stage, holding live credentials) and revokes at the run's
-``admission.revoke_after_accusers``, so a single liar cannot frame an honest node.
+accounts holding live credentials, a worker only on the accused's stage) and revokes at the
+run's ``admission.revoke_after_accusers``, so a single liar cannot frame an honest node; a
+trainer of one of the run's anchor accounts is the operator's own, and its checks may count
+alone (``admission.revoke_on_anchor_spot_check``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from agora_core.identity import node_id_from_public_key
 
 MAX_ACCUSED = 64  # accusations in one accuser's entry
 MAX_EVIDENCE = 16  # evidence items in one accusation
-KINDS = ("averaging_values", "averaging_reducer", "averaging_weight")
+WORKER_KINDS = ("averaging_values", "averaging_reducer", "averaging_weight")
+TRAINER_KINDS = ("compute_output",)  # a spot check's verdict (agora_trainer.spotcheck)
+KINDS = WORKER_KINDS + TRAINER_KINDS
 
 
 def accusations_key(run_name: str) -> str:
@@ -67,12 +74,42 @@ class Evidence:
 
 
 @dataclass(frozen=True)
+class CheckEvidence:
+    """One spot check the accused failed: the trainer's check number ``check`` on ``stage``;
+    the accused's output stood ``measured`` (relative distance) from the nearer of two other
+    replicas' outputs, which stood ``agreed`` from each other, where ``tolerance`` was the
+    most two honest replicas' outputs stand apart."""
+
+    check: int
+    stage: int
+    measured: float
+    agreed: float
+    tolerance: float
+
+    def to_value(self) -> list:
+        return [self.check, self.stage, self.measured, self.agreed, self.tolerance]
+
+    @classmethod
+    def from_value(cls, value: Any) -> CheckEvidence:
+        if not isinstance(value, list) or len(value) != 5:
+            raise RecordRejected("check evidence is [check, stage, measured, agreed, tolerance]")
+        check, stage, measured, agreed, tolerance = value
+        if not (_count(check) and _count(stage)):
+            raise RecordRejected("check evidence check and stage must be ints >= 0")
+        if not all(_number(v) and v >= 0 for v in (measured, agreed, tolerance)):
+            raise RecordRejected("check evidence distances must be finite numbers >= 0")
+        if not agreed <= tolerance < measured:
+            raise RecordRejected("check evidence must show agreed <= tolerance < measured")
+        return cls(check, stage, float(measured), float(agreed), float(tolerance))
+
+
+@dataclass(frozen=True)
 class Accusation:
     accused: str  # node id
     kind: str  # one of KINDS
-    rounds: int  # distinct rounds the accuser saw it in
+    rounds: int  # distinct rounds (failed checks, for a trainer's) the accuser saw it in
     at: float  # wall-clock seconds of the newest of them
-    evidence: tuple[Evidence, ...] = field(default=())  # the worst few, newest rounds first
+    evidence: tuple[Evidence | CheckEvidence, ...] = field(default=())  # the worst few, newest first
 
     def to_value(self) -> dict:
         return {
@@ -99,15 +136,16 @@ class Accusation:
         evidence = value.get("evidence", [])
         if not isinstance(evidence, list) or len(evidence) > MAX_EVIDENCE:
             raise RecordRejected(f"accusation.evidence must be a list of at most {MAX_EVIDENCE}")
-        return cls(accused, kind, rounds, float(at), tuple(Evidence.from_value(e) for e in evidence))
+        parse = CheckEvidence.from_value if kind in TRAINER_KINDS else Evidence.from_value
+        return cls(accused, kind, rounds, float(at), tuple(parse(e) for e in evidence))
 
 
 @dataclass(frozen=True)
 class AccuserRecord:
-    """One accuser's entry: its node id, stage, and what it accuses."""
+    """One accuser's entry: its node id, stage (None: a trainer's), and what it accuses."""
 
     accuser: str
-    stage: int
+    stage: int | None
     accusations: tuple[Accusation, ...]
     updated: float
 
@@ -128,8 +166,8 @@ class AccuserRecord:
         )
         if not isinstance(accuser, str) or not accuser:
             raise RecordRejected("accusations.accuser must be a node id")
-        if not _count(stage):
-            raise RecordRejected("accusations.stage must be an int >= 0")
+        if stage is not None and not _count(stage):
+            raise RecordRejected("accusations.stage must be an int >= 0, or nil for a trainer")
         if not isinstance(items, list) or len(items) > MAX_ACCUSED:
             raise RecordRejected(f"accusations.accusations must be a list of at most {MAX_ACCUSED}")
         if not _number(updated):
@@ -137,6 +175,11 @@ class AccuserRecord:
         accusations = tuple(Accusation.from_value(item) for item in items)
         if any(a.accused == accuser for a in accusations):
             raise RecordRejected("a node cannot accuse itself")
+        mine = TRAINER_KINDS if stage is None else WORKER_KINDS
+        if any(a.kind not in mine for a in accusations):
+            raise RecordRejected(
+                f"an entry {'without' if stage is None else 'with'} a stage accuses of {list(mine)} only"
+            )
         return cls(accuser, stage, accusations, float(updated))
 
 

@@ -51,13 +51,17 @@ class AdmissionConfig:
     # --- accountability ---------------------------------------------------------------------
     max_nodes_per_account: int = 64  # admitted nodes with a live credential, per account
     # --- accusations (agora_core.admission.accusations) --------------------------------------
-    # The authorizer revokes a node accused by this many independent accusers: on its stage,
-    # with live credentials, one per account, except that every node of an anchor account
-    # counts on its own. Never 1, so no single node can get an honest one banned; 0:
-    # accusations are only listed.
+    # The authorizer revokes a node accused by this many independent accusers: with live
+    # credentials (a worker only on the accused's stage), one per account, except that every
+    # node of an anchor account counts on its own. Never 1, so no single node can get an
+    # honest one banned; 0: accusations are only listed.
     revoke_after_accusers: int = 2
     # Trust anchors: the accounts of the nodes the operator runs itself.
     anchor_accounts: list[str] = field(default_factory=list)
+    # A trainer of an anchor account whose spot checks caught a worker (its output stood
+    # apart from two replicas that agreed, twice) gets it revoked on its own: the operator's
+    # trainer does not lie about what it saw.
+    revoke_on_anchor_spot_check: bool = True
 
     def __post_init__(self) -> None:
         if self.mode == "authorized" or self.authorizer_public_key is not None:

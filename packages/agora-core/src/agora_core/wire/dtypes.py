@@ -108,6 +108,20 @@ class TaggedArray:
 Tensor = Union[np.ndarray, TaggedArray]
 
 
+def bfloat16_to_float32(words: np.ndarray) -> np.ndarray:
+    """bf16 is the top half of a float32: widen the bits, exactly."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def as_float32(tensor: Tensor) -> np.ndarray:
+    """A floating tensor's values as float32, a bf16 one widened exactly (for comparisons)."""
+    if isinstance(tensor, TaggedArray):
+        if tensor.dtype != "bfloat16":
+            raise TypeError(f"a {tensor.dtype} tagged array holds no floats this reads")
+        return bfloat16_to_float32(tensor.words)
+    return np.asarray(tensor, dtype=np.float32)
+
+
 # (kind, itemsize) of a numpy dtype -> its wire name: one lookup per tensor on the hot path
 _NAME_BY_KIND_SIZE: dict[tuple[str, int], str] = {}
 for _name, _storage in _STORAGE.items():

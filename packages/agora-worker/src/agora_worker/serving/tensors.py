@@ -13,15 +13,10 @@ import numpy as np
 import torch
 
 from agora_core.errors import BadRequest
-from agora_core.wire.dtypes import TaggedArray, Tensor
+from agora_core.wire.dtypes import TaggedArray, Tensor, bfloat16_to_float32
 
 INTEGER_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-
-
-def bfloat16_to_float32(words: np.ndarray) -> np.ndarray:
-    """bf16 is the top half of a float32: widen the bits, exactly."""
-    return (words.astype(np.uint32) << 16).view(np.float32)
 
 
 def split_samples(tensor: torch.Tensor, bounds: np.ndarray) -> list[Tensor]:

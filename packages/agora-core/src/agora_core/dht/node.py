@@ -40,6 +40,7 @@ from agora_core.rpc import RpcClient, RpcConfig, RpcServer
 from agora_core.rpc.linkemu import LinkEmulator
 
 if TYPE_CHECKING:
+    from agora_core.auth.peer_identity import PeerIdentity
     from agora_core.auth.peers import PeerVerifier
 
 log = get_logger("dht")
@@ -199,6 +200,12 @@ class DhtNode:
     def members(self) -> list[Member]:
         """Live members (alive or suspect), this node included, ordered by id."""
         return self.table.live() if self.table else []
+
+    def identity_of(self, node_id: str) -> PeerIdentity | None:
+        """The credential identity of member ``node_id`` as this node's table knows it (None:
+        unknown, revoked, or an open run, whose members hold none)."""
+        member = self.table.get(node_id) if self.table else None
+        return None if member is None or member.revoked else member.identity
 
     def live_ids(self) -> frozenset[str]:
         """Ids of the live members: entries a crashed node published outlive it by up to their

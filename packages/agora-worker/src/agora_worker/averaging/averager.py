@@ -116,7 +116,9 @@ class Averager:
         self.layout = SegmentLayout(
             [t.numel() for t in tensors], segments=config.segments, run_seed=seed, stage=stage
         )
-        self.matchmaker = Matchmaker(dht=dht, key=key, run_name=run_name, stage=stage, ttl_s=record_ttl_s)
+        self.matchmaker = Matchmaker(
+            dht=dht, key=key, run_name=run_name, stage=stage, ttl_s=record_ttl_s, reduces=self.reduces
+        )
         self._record_ttl_s = record_ttl_s
         # Senders may reach this peer before it formed its group: they wait up to one window.
         # Streams get the RPC node's window and compression ([transport]).
@@ -152,9 +154,13 @@ class Averager:
             ["kind"],
         )
 
+    def reduces(self, node_id: str) -> bool:
+        """Whether the run config lets ``node_id`` reduce (every member derives it alike)."""
+        return self.config.reducers == "all" or node_id in self.config.reducer_ids
+
     @property
     def reducer_eligible(self) -> bool:
-        return self.config.reducers == "all" or self._key.node_id in self.config.reducer_ids
+        return self.reduces(self._key.node_id)
 
     # --- triggering ------------------------------------------------------------------------------
 

@@ -59,7 +59,8 @@ async def test_a_head_replica_with_wrong_outputs_is_caught_kept_from_work_and_ac
         counters = await trainer.train()
         assert counters.completed == 60
         assert trainer.router.spot.accused.keys() == {liar}  # the honest pair never
-        assert counters.spot_mismatches >= 3 and counters.spot_checks >= 60
+        checks = trainer.router.checks
+        assert checks.mismatches >= 3 and checks.made >= 60
         # every sample the liar served forward failed its check and went back to the queue:
         # the tail trained only on honest outputs
         assert trainer.abandoned == 0  # a sample whose head output failed went back and completed

@@ -39,20 +39,21 @@ def test_distance_is_relative_and_unusable_outputs_are_infinitely_far():
 
 def test_a_stage_learns_its_tolerance_from_its_closest_pair_and_a_liar_cannot_raise_it():
     spot = SpotChecker(SpotCheckConfig(pair_checks=4, tolerance_factor=2.0), 2, node_id="t")
-    assert spot.tolerance(0) is None  # nothing measured yet: no verdicts
+    assert spot.tolerance(0, "forward") is None  # nothing measured yet: no verdicts
     for _ in range(3):
-        spot.measured(0, "a", "b", 0.30)
-    assert spot.tolerance(0) is None
-    spot.measured(0, "b", "a", 0.10)  # either order is the same pair
-    assert spot.tolerance(0) == pytest.approx(2.0 * 0.30)
+        spot.measured(0, "forward", "a", "b", 0.30)
+    assert spot.tolerance(0, "forward") is None
+    spot.measured(0, "forward", "b", "a", 0.10)  # either order is the same pair
+    assert spot.tolerance(0, "forward") == pytest.approx(2.0 * 0.30)
     for _ in range(8):  # a liar near both honest replicas' pair keeps its own pairs' medians high
-        spot.measured(0, "a", "liar", 0.9)
-        spot.measured(0, "liar", "b", 0.9)
-    assert spot.tolerance(0) == pytest.approx(0.6)
-    assert spot.tolerance(1) is None  # stages learn apart
+        spot.measured(0, "forward", "a", "liar", 0.9)
+        spot.measured(0, "forward", "liar", "b", 0.9)
+    assert spot.tolerance(0, "forward") == pytest.approx(0.6)
+    # stages, and kinds of check, learn apart
+    assert spot.tolerance(1, "forward") is None and spot.tolerance(0, "gradient") is None
     for _ in range(4):
-        spot.measured(1, "c", "d", 0.0)
-    assert spot.tolerance(1) == SpotCheckConfig().min_tolerance
+        spot.measured(1, "forward", "c", "d", 0.0)
+    assert spot.tolerance(1, "forward") == SpotCheckConfig().min_tolerance
 
 
 def test_a_third_replica_settles_a_mismatch_only_when_exactly_one_pair_agrees():
@@ -69,11 +70,12 @@ def test_a_third_replica_settles_a_mismatch_only_when_exactly_one_pair_agrees():
 def test_a_replica_standing_apart_is_accused_after_the_configured_mismatches_with_its_evidence():
     spot = SpotChecker(SpotCheckConfig(accuse_after=2), 3, node_id="trainer-1")
     outputs = {"h1": near(0.05), "liar": np.zeros_like(OUT), "h2": near(0.05)}
-    first = spot.settle(1, spot.next_serial(), outputs, 0.3)
+    spot.measured(1, "gradient", "h1", "liar", 0.01)
+    first = spot.settle(1, "forward", spot.next_serial(), outputs, 0.3)
     assert first is not None and first.odd == "liar" and first.agreeing == ("h1", "h2")
     assert first.evidence.stage == 1 and first.evidence.measured > first.evidence.tolerance
     assert not spot.failed(first) and spot.record() is None  # one is not enough
-    second = spot.settle(1, spot.next_serial(), outputs, 0.3)
+    second = spot.settle(1, "forward", spot.next_serial(), outputs, 0.3)
     assert spot.failed(second) and not spot.failed(second)  # accused once, then it stands
     assert spot.failures("liar") == 3 and spot.info()["accused"] == ["liar"]
     record = spot.record()
@@ -82,13 +84,15 @@ def test_a_replica_standing_apart_is_accused_after_the_configured_mismatches_wit
     [accusation] = parsed.accusations
     assert accusation.accused == "liar" and accusation.kind == "compute_output" and accusation.rounds == 3
     assert [e.check for e in accusation.evidence] == [2, 2, 1]  # newest first
-    # the liar's pairs are no measure of honest divergence any more
-    assert all("liar" not in pair for pair in spot._tolerance[1].pairs)
+    # the liar's pairs, of every kind of check, are no measure of honest divergence any more
+    assert all(
+        "liar" not in pair for kind in ("forward", "gradient") for pair in spot._tolerance[1, kind].pairs
+    )
 
 
 def test_no_accusation_with_accuse_after_0_and_config_errors_name_the_key():
     spot = SpotChecker(SpotCheckConfig(accuse_after=0), 1, node_id="t")
-    mismatch = spot.settle(0, 1, {"a": OUT, "b": -OUT, "c": OUT}, 0.3)
+    mismatch = spot.settle(0, "gradient", 1, {"a": OUT, "b": -OUT, "c": OUT}, 0.3)
     assert mismatch.odd == "b" and not spot.failed(mismatch) and spot.record() is None
     with pytest.raises(ConfigError, match="fraction"):
         SpotCheckConfig(fraction=1.5)
@@ -96,9 +100,19 @@ def test_no_accusation_with_accuse_after_0_and_config_errors_name_the_key():
         SpotCheckConfig(tolerance_factor=0.5)
 
 
-def test_a_fraction_of_hops_is_checked_and_0_checks_none():
-    spot = SpotChecker(SpotCheckConfig(fraction=0.25), 1, node_id="t", seed=3)
-    due = sum(spot.due() for _ in range(4000))
-    assert 800 < due < 1200
+def test_a_fraction_of_hops_is_checked_a_third_as_many_for_gradients_and_0_checks_none():
+    spot = SpotChecker(SpotCheckConfig(fraction=0.3), 1, node_id="t", seed=3)
+    forward = sum(spot.due("forward") for _ in range(4000))
+    gradient = sum(spot.due("gradient") for _ in range(4000))
+    assert 1000 < forward < 1400 and 300 < gradient < 500
     never = SpotChecker(SpotCheckConfig(fraction=0.0), 1, node_id="t")
-    assert not any(never.due() for _ in range(100))
+    assert not any(never.due("forward") or never.due("gradient") for _ in range(100))
+
+
+def test_answers_of_several_outputs_stand_as_far_apart_as_their_farthest_output():
+    loss = np.array([3.0, 3.1], np.float32)
+    assert distance({"loss": loss, "grad": OUT}, {"loss": loss, "grad": near(0.1)}) == pytest.approx(
+        0.1, rel=0.2
+    )
+    assert distance({"loss": loss, "grad": OUT}, {"loss": loss * 2, "grad": OUT}) == pytest.approx(0.5)
+    assert distance({"loss": loss}, {"grad": OUT}) == float("inf")  # not the same question

@@ -59,6 +59,7 @@ class Member:
     address: str
     stage: int
     delay_scale: float
+    program: tuple[str, ...] = ("agora_worker",)
 
 
 @dataclass
@@ -72,9 +73,12 @@ class Swarm:
     workers: list[Member]
     spawned: int = 0
 
-    async def add_worker(self, stage: int, delay_scale: float = 1.0) -> Member:
+    async def add_worker(
+        self, stage: int, delay_scale: float = 1.0, program: tuple[str, ...] = ("agora_worker",)
+    ) -> Member:
+        """``program``: the module and its first arguments (``agora_devkit.attacker`` and a lie)."""
         self.spawned += 1  # before any await: concurrent calls each get their own key file
-        command = ["-m", "agora_worker", "run", "--config", self.config_path, "--stage", str(stage)]
+        command = ["-m", *program, "run", "--config", self.config_path, "--stage", str(stage)]
         command += ["--bootstrap", self.seed.address, "--device", "cpu"]
         command += ["--key-file", str(self.tmp / f"worker-{self.spawned}.key")]
         command += ["--progress-interval", "0.1", "--announce-interval", "0.2"]
@@ -82,7 +86,7 @@ class Swarm:
         child = self.stack.enter_context(spawn_python(command, env={"AGORA_LOG_LEVEL": "warning"}))
         node_id = await asyncio.to_thread(child.read_until, "  node id    ")
         address = await asyncio.to_thread(child.read_until, "  serving    ")
-        member = Member(child, node_id, address, stage, delay_scale)
+        member = Member(child, node_id, address, stage, delay_scale, tuple(program))
         self.workers.append(member)
         return member
 
@@ -112,9 +116,10 @@ def shards(tmp_path_factory) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def running_swarm(tmp: Path, shards: Path, workers: list[tuple[int, float]]) -> AsyncIterator[Swarm]:
-    """A DHT seed in this process and ``workers`` (stage, delay scale), started in parallel;
-    every process is stopped when the block exits, whatever happened inside it."""
+async def running_swarm(tmp: Path, shards: Path, workers: list[tuple]) -> AsyncIterator[Swarm]:
+    """A DHT seed in this process and ``workers`` (stage, delay scale[, program]: see
+    ``Swarm.add_worker``), started in parallel; every process is stopped when the block exits,
+    whatever happened inside it."""
     config = tmp / "run.toml"
     config.write_text(RUN_TOML)
     async with contextlib.AsyncExitStack() as cleanup:  # on exit, each step runs even if one fails
@@ -126,7 +131,7 @@ async def running_swarm(tmp: Path, shards: Path, workers: list[tuple[int, float]
         cleanup.push_async_callback(client.close)
         swarm = Swarm(seed, str(config), str(shards), tmp, children, client, [])
         cleanup.push_async_callback(stop_side_by_side, swarm.workers)
-        await asyncio.gather(*(swarm.add_worker(stage, scale) for stage, scale in workers))
+        await asyncio.gather(*(swarm.add_worker(*worker) for worker in workers))
         yield swarm
 
 
@@ -282,6 +287,36 @@ async def test_killed_workers_lose_no_sample_and_a_new_worker_gets_work(tmp_path
     assert counters.requeued == 0 and trainer.abandoned == 0  # retried, never dropped
     assert counters.retries >= 1 and counters.fallbacks >= 1  # a backward lost its forward's worker
     assert len(set(trainer.completed_ids)) == counters.completed
+
+
+async def test_a_worker_process_computing_garbage_is_caught_by_spot_checks_and_accused_alone(
+    tmp_path, shards
+):
+    """Three stage-1 replicas, one of them ``agora_devkit.attacker garbage`` (random outputs and
+    returned gradients of their own RMS, once it served 4 forwards honestly): a trainer checking
+    every hop settles mismatches against it alone, finishes every sample, and accuses it,
+    never an honest one."""
+    garbage = (1, 0.2, ("agora_devkit.attacker", "garbage@+4"))
+    async with running_swarm(tmp_path, shards, [(0, 0.2), (1, 0.2), (1, 0.2), garbage, (2, 0.2)]) as swarm:
+        [liar] = [m for m in swarm.workers if m.program == garbage[2]]
+        trainer = swarm.trainer(
+            lanes=4, max_samples=64, state_file=str(tmp_path / "run.json"), spot_check_fraction=1.0
+        )
+        counters = await train_to_the_end(trainer)
+    assert counters.completed == 64 and trainer.abandoned == 0
+    assert set(trainer.router.spot.accused) == {liar.node_id}
+    assert (
+        trainer.router.checks.mismatches >= 3
+        and trainer.router.spot.failures(liar.node_id) == trainer.router.checks.mismatches
+    )
+    gradient_checks = sum(
+        trainer.metrics.sample_value(
+            "agora_trainer_spot_checks_total", {"to_stage": "1", "kind": "gradient", "outcome": outcome}
+        )
+        or 0
+        for outcome in ("learning", "agreed", "mismatch", "unresolved")
+    )
+    assert gradient_checks >= 1  # backwards were asked again too, as ``gradient``
 
 
 async def test_a_restarted_trainer_resumes_without_repeating_or_skipping(swarm, tmp_path):

@@ -26,6 +26,9 @@ class Method:
     FORWARD = "forward"
     BACKWARD = "backward"
     FORWARD_BACKWARD = "forward_backward"  # the tail only
+    # a backward's input gradient (the tail: and its losses), computed without training: what
+    # a trainer's spot check asks a second replica (not the head: it returns no gradient)
+    GRADIENT = "gradient"
     # workers: operators, tools and peers of the same stage
     WORKER_INFO = "worker.info"
     WORKER_PARAMETERS = "worker.parameters"

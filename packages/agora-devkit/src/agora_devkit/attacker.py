@@ -18,8 +18,8 @@ lies:
 Lies in what it computes for trainers (``@+N``: after it served N forward requests honestly;
 ROUND alone does not apply), while it trains and averages honestly:
 
-- ``garbage``: outputs (boundaries, the tail's losses and input gradients) replaced by random
-  values of their own RMS;
+- ``garbage``: outputs (boundaries, losses, the input gradients a backward returns) replaced
+  by random values of their own RMS;
 - ``zeros``: outputs replaced by zeros;
 - ``stale``: forwards (and the tail's losses) computed with the weights it held when it
   turned, never updated since.
@@ -129,7 +129,7 @@ def _computes_wrongly(attack: str, after_forwards: int) -> None:
             self.module = kept
 
     honest_forward, honest_evaluate = backend.StageBackend.forward, backend.StageBackend.evaluate
-    honest_fb = backend.StageBackend.forward_backward
+    honest_fb, honest_backward = backend.StageBackend.forward_backward, backend.StageBackend.backward
 
     def forward(self, tokens, boundary):
         served[0] += 1
@@ -156,6 +156,13 @@ def _computes_wrongly(attack: str, after_forwards: int) -> None:
             return stale(self, honest_evaluate, tokens, boundary, labels), grad
         return wrong(losses), wrong(grad)
 
+    def backward(self, tokens, boundary, grad):
+        found = honest_backward(self, tokens, boundary, grad)  # its own training stays honest
+        if found is None or served[0] <= after_forwards or attack == "stale":
+            return found
+        return wrong(found)
+
+    backend.StageBackend.backward = backward
     backend.StageBackend.forward = forward
     backend.StageBackend.evaluate = evaluate
     backend.StageBackend.forward_backward = forward_backward

@@ -39,9 +39,9 @@ from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigg
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
-from agora_core.wire.dtypes import Tensor
 from agora_trainer.balancer import StageBalancer, WorkerRef
-from agora_trainer.spotcheck import SpotCheckConfig, SpotChecker, distance
+from agora_trainer.checking import SpotChecks
+from agora_trainer.spotcheck import SpotCheckConfig
 from agora_trainer.witness import DISTRUST_S, LossWitness, WitnessConfig
 
 log = get_logger("trainer.routing")
@@ -61,9 +61,6 @@ class Counters:
     failed_calls: int = 0
     fallbacks: int = 0  # backwards that could not go to their forward's worker
     outliers: int = 0  # workers judged loss outliers (each then distrusted for a while)
-    spot_checks: int = 0  # hops asked again of a second replica
-    spot_mismatches: int = 0  # of them, settled against one replica (it stood apart)
-    spot_unresolved: int = 0  # of them, mismatches no third replica settled
 
 
 @dataclass
@@ -129,19 +126,16 @@ class PipelineRouter:
         )
         for stage in range(len(balancers)):  # exported at 0 from the start
             self._m_outliers.labels(to_stage=str(stage))
-        self.spot = SpotChecker(config.spot_check, len(balancers), node_id=node_id)
-        self._m_checks = metrics.counter(
-            "agora_trainer_spot_checks_total",
-            "Hops asked again of another replica, by outcome (learning: the stage's tolerance not "
-            "known yet, agreed, mismatch: one replica stood apart, unresolved: no third replica "
-            "settled it, skipped: no second replica answered).",
-            ["to_stage", "outcome"],
+        self.checks = SpotChecks(
+            client,
+            balancers,
+            config.spot_check,
+            metrics,
+            node_id=node_id,
+            request_timeout_s=config.request_timeout_s,
+            distrust_s=config.distrust_s,
         )
-        self._m_tolerance = metrics.gauge(
-            "agora_trainer_spot_check_tolerance",
-            "The relative distance two replicas' outputs may stand apart and agree.",
-            ["to_stage"],
-        )
+        self.spot = self.checks.rules
 
     @property
     def stages(self) -> int:
@@ -211,112 +205,6 @@ class PipelineRouter:
             return worker, reply
         raise SampleFailed(f"stage {stage} {method}: {attempts} attempts failed")
 
-    async def _ask(self, stage: int, method: str, tensors: dict, key: str, primary: str, exclude: set[str]):
-        """A spot check's call to another replica of ``stage`` than ``primary`` and
-        ``exclude``: (its ref, its output ``key``), or None when there is none or it did not
-        answer (a check is never retried)."""
-        balancer = self._balancers[stage]
-        samples = tensors["tokens"].shape[0]
-        worker = self.spot.pick(stage, primary, balancer.checkers(samples, frozenset({primary, *exclude})))
-        if worker is None:
-            return None
-        token = balancer.begin(worker)
-        started = world.monotonic()
-        try:
-            reply = await self._client.call(
-                worker.address, method, {"stage": stage}, tensors, timeout_s=self._config.request_timeout_s
-            )
-        except RpcError:
-            balancer.fail(token)
-            return None
-        balancer.complete(token, samples, world.monotonic() - started)
-        output = reply.tensors.get(key)
-        return None if output is None else (worker, output)
-
-    async def _learn(
-        self, stage: int, method: str, tensors: dict, key: str, outputs: dict[str, Tensor]
-    ) -> None:
-        """A check while ``stage``'s tolerance is unknown: a third replica is asked too, and
-        every pair measured, so that the honest pair is measured as often as a liar's pairs
-        (a liar that answers fast may serve most microbatches)."""
-        first, second = outputs
-        third = await self._ask(stage, method, tensors, key, first, {second})
-        if third is not None:
-            outputs = {**outputs, third[0].node_id: third[1]}
-        ids = sorted(outputs)
-        for i, a in enumerate(ids):
-            for b in ids[i + 1 :]:
-                self.spot.measured(stage, a, b, distance(outputs[a], outputs[b]))
-
-    async def _spot_check(
-        self, stage: int, method: str, tensors: dict, key: str, primary: WorkerRef, output: Tensor
-    ) -> None:
-        """Ask ``stage``'s hop again of another replica and, on a mismatch, of a third; raises
-        :class:`SampleFailed` when ``primary``'s ``output`` stood apart (it is not used)."""
-        labels = self._m_checks.labels
-        spot = self.spot
-        asked = await self._ask(stage, method, tensors, key, primary.node_id, set())
-        if asked is None:
-            labels(to_stage=str(stage), outcome="skipped").inc()
-            return
-        checker, checked = asked
-        self.counters.spot_checks += 1
-        check = spot.next_serial()
-        tolerance = spot.tolerance(stage)
-        measured = distance(output, checked)
-        if tolerance is None:  # still learning how far apart honest replicas stand
-            await self._learn(
-                stage, method, tensors, key, {primary.node_id: output, checker.node_id: checked}
-            )
-            labels(to_stage=str(stage), outcome="learning").inc()
-            return
-        self._m_tolerance.labels(to_stage=str(stage)).set(tolerance)
-        if measured <= tolerance:
-            spot.measured(stage, primary.node_id, checker.node_id, measured)
-            labels(to_stage=str(stage), outcome="agreed").inc()
-            return
-        third = await self._ask(stage, method, tensors, key, primary.node_id, {checker.node_id})
-        mismatch = None
-        if third is not None:
-            outputs = {primary.node_id: output, checker.node_id: checked, third[0].node_id: third[1]}
-            mismatch = spot.settle(stage, check, outputs, tolerance)
-        if mismatch is None:
-            spot.measured(stage, primary.node_id, checker.node_id, measured)
-            self.counters.spot_unresolved += 1
-            labels(to_stage=str(stage), outcome="unresolved").inc()
-            log.warning(
-                "spot_check_unresolved",
-                stage=stage,
-                node=primary.node_id,
-                checker=checker.node_id,
-                distance=round(measured, 4),
-                tolerance=round(tolerance, 4),
-                third=third is not None,
-            )
-            return
-        self.counters.spot_mismatches += 1
-        labels(to_stage=str(stage), outcome="mismatch").inc()
-        self._balancers[stage].distrust(mismatch.odd, self._config.distrust_s)
-        log.warning(
-            "spot_check_mismatch",
-            stage=stage,
-            node=mismatch.odd,
-            check=check,
-            distance=round(mismatch.evidence.measured, 4),
-            agreed=round(mismatch.evidence.agreed, 4),
-            tolerance=round(tolerance, 4),
-            served=mismatch.odd == primary.node_id,
-            distrust_s=self._config.distrust_s,
-        )
-        if spot.failed(mismatch):
-            log.warning(
-                "spot_check_accused", stage=stage, node=mismatch.odd, failed=spot.failures(mismatch.odd)
-            )
-        if mismatch.odd == primary.node_id:
-            raise SampleFailed(
-                f"stage {stage}'s output failed a spot check ({primary.node_id[:12]} stood apart)"
-            )
-
     def _witness(self, served: list[WorkerRef], losses: np.ndarray) -> None:
         """Record a microbatch's losses (B,) against its worker at each stage; distrust,
         count and log each worker they show to be a loss outlier."""
@@ -341,6 +229,7 @@ class PipelineRouter:
         """Train on a microbatch (B, ``seq_len + 1``) of token ids; returns its losses (B,)."""
         inputs = tokens[:, :-1].astype(np.int32)  # (B, T)
         labels = tokens[:, 1:].astype(np.int32)  # (B, T)
+        checks = self.checks
         hops: list[tuple[WorkerRef, np.ndarray | None]] = []  # per stage: worker, input it got
         boundary = None
         for stage in range(self.stages - 1):
@@ -348,26 +237,34 @@ class PipelineRouter:
             if self._injections.armed:
                 self._injections.reached(Trigger.FORWARD)
             worker, reply = await self._call(lane, stage, Method.FORWARD, tensors)
-            if self.spot.due():
-                await self._spot_check(
-                    stage, Method.FORWARD, tensors, "boundary", worker, reply.tensors["boundary"]
-                )
+            answer = {"boundary": reply.tensors["boundary"]}
+            if checks.due("forward"):
+                agreed = await checks.check("forward", stage, Method.FORWARD, tensors, worker, answer)
+                if agreed is not None:  # its worker stood apart: go on with the agreeing replica's
+                    worker, answer = agreed
             hops.append((worker, boundary))
-            boundary = reply.tensors["boundary"]
+            boundary = answer["boundary"]
         tail = self.stages - 1
         tail_inputs = {"tokens": inputs, "boundary": boundary, "labels": labels}
         tail_worker, reply = await self._call(lane, tail, Method.FORWARD_BACKWARD, tail_inputs)
-        losses = np.asarray(reply.tensors["loss"], dtype=np.float64)
+        answer = {"loss": reply.tensors["loss"], "grad": reply.tensors["grad"]}
+        if checks.due("gradient"):
+            agreed = await checks.check("gradient", tail, Method.GRADIENT, tail_inputs, tail_worker, answer)
+            if agreed is not None:
+                tail_worker, answer = agreed
+        elif checks.due("forward"):  # its losses only: a wrong one's gradient has no stand-in
+            losses_only = {"loss": answer["loss"]}
+            if await checks.check("forward", tail, Method.FORWARD, tail_inputs, tail_worker, losses_only):
+                raise SampleFailed(
+                    f"the tail's losses failed a spot check ({tail_worker.node_id[:12]} stood apart)"
+                )
+        losses = np.asarray(answer["loss"], dtype=np.float64)
         if losses.shape != (tokens.shape[0],):
             raise SampleFailed(
                 f"the tail returned losses of shape {losses.shape} for {tokens.shape[0]} samples"
             )
-        if self.spot.due():  # the tail's forward is its loss, without training
-            await self._spot_check(
-                tail, Method.FORWARD, tail_inputs, "loss", tail_worker, reply.tensors["loss"]
-            )
         self._witness([worker for worker, _ in hops] + [tail_worker], losses)
-        grad = reply.tensors["grad"]
+        grad = answer["grad"]
         for stage in range(self.stages - 2, -1, -1):
             forward_worker, sent = hops[stage]
             if self._injections.armed:
@@ -383,5 +280,10 @@ class PipelineRouter:
             if worker.node_id != forward_worker.node_id:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")
+            if grad is not None and sent is not None and checks.due("gradient"):
+                answer = {"grad": grad}
+                agreed = await checks.check("gradient", stage, Method.GRADIENT, tensors, worker, answer)
+                if agreed is not None:
+                    grad = agreed[1]["grad"]
         lane.stage = -1
         return losses

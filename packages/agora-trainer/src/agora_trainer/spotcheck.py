@@ -1,17 +1,21 @@
-"""Spot checks: a trainer recomputes some of its microbatches' stage outputs on another replica,
-and a third replica settles any mismatch.
+"""Spot checks, the rules: which hops to check, how far apart honest replicas' outputs stand,
+which replica a third one's answer settles against, and whom the trainer accuses.
 
 The trainer routes every microbatch, so it can ask a second replica of a stage the very
-question it asked the first: the same tokens and the same input boundary. A forward has no
-side effect on a worker (it keeps nothing for the backward, which recomputes), so the worker
-checked cannot tell a check from any other request, and neither can the one checking. At the
-tail the checked call is ``forward_backward`` and the check a ``forward``: the tail's losses,
-compared sample by sample.
+question it asked the first (``agora_trainer.checking`` makes the calls). Two kinds of check:
+
+* ``forward``: the same tokens and input boundary to a ``forward`` (at the tail, its losses).
+  A forward keeps nothing on a worker, so neither the worker checked nor the one checking can
+  tell a check from work.
+* ``gradient``: a backward's input gradient (at the tail, ``forward_backward``'s losses and
+  gradient), asked of the second replica as ``gradient``, which computes it without training.
+  It costs about three forwards, so it is made a third as often (``GRADIENT_COST``).
 
 The measure is the relative distance of the two outputs, ``|a - b| / max(|a|, |b|)`` over
-the whole microbatch (a non-finite output or a wrong shape: infinitely far). Honest replicas
+the whole microbatch (a non-finite output or a wrong shape: infinitely far; of several
+outputs, the largest). Honest replicas
 are not identical: each takes local steps between averaging rounds, and early in a run their
-outputs may stand far apart. So a stage's tolerance is learned: ``tolerance_factor`` x the
+outputs may stand far apart. So each stage's tolerance, per kind of check, is learned: ``tolerance_factor`` x the
 median distance of the closest pair of replicas (the pair with the smallest median over its
 last ``PAIR_HISTORY`` checks, once it has ``pair_checks``), at least ``min_tolerance``. Until
 some pair has that many, a stage's checks only measure. The closest pair, not all pairs: a liar
@@ -25,7 +29,7 @@ single agreeing pair) the check stays unresolved. The odd one is distrusted for 
 new microbatch; see ``StageBalancer.distrust``), and after ``accuse_after`` settled
 mismatches the trainer accuses it of ``compute_output`` in the DHT, with the checks as
 evidence (:mod:`agora_core.admission.accusations`). When the odd one was the microbatch's own
-worker, its output is not used: the sample goes back to the queue.
+worker, its output is not used (``agora_trainer.checking``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ from agora_core.config import require
 from agora_core.wire.dtypes import Tensor, as_float32
 from agora_trainer.balancer import WorkerRef
 
-CHECK_FRACTION = 0.1  # of microbatches, at each stage: one more forward in 10 (about 2.5 % compute)
+# Of the hops at each stage, the fraction forward-checked; a third as many are gradient-checked.
+# A hop's work is about four forwards (the forward, then the backward's recompute and its two
+# forwards' worth of gradients): the checks add (f + 3 f / 3) / 4 = f / 2, 3 % at 0.06.
+CHECK_FRACTION = 0.06
+GRADIENT_COST = 3  # a gradient check's cost in forwards
+KINDS = ("forward", "gradient")
 PAIR_HISTORY = 32  # distances kept per pair of replicas
 MAX_PAIRS = 64  # pairs remembered per stage; the least recently checked go first
 
@@ -75,8 +84,16 @@ class SpotCheckConfig:
         require(self.accuse_after >= 0, "accuse_after", "must be >= 0")
 
 
-def distance(a: Tensor, b: Tensor) -> float:
-    """The relative distance of two outputs: 0 equal, about 1 unrelated, inf unusable."""
+Outputs = dict[str, Tensor]  # one replica's answer: output name -> tensor
+
+
+def distance(a: Tensor | Outputs, b: Tensor | Outputs) -> float:
+    """The relative distance of two outputs: 0 equal, about 1 unrelated, inf unusable; of two
+    answers of several outputs, the largest of their outputs' distances."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        if not (isinstance(a, dict) and isinstance(b, dict)) or a.keys() != b.keys():
+            return math.inf
+        return max((distance(a[name], b[name]) for name in a), default=0.0)
     x, y = as_float32(a).astype(np.float64), as_float32(b).astype(np.float64)
     if x.shape != y.shape or not (np.isfinite(x).all() and np.isfinite(y).all()):
         return math.inf
@@ -130,7 +147,9 @@ class Mismatch:
     evidence: CheckEvidence
 
 
-def settle(outputs: dict[str, Tensor], tolerance: float) -> tuple[str, tuple[str, str], float, float] | None:
+def settle(
+    outputs: dict[str, Tensor | Outputs], tolerance: float
+) -> tuple[str, tuple[str, str], float, float] | None:
     """Three replicas' outputs: (odd one, the agreeing pair, the odd one's distance to the
     nearer of them, the pair's distance) when exactly one pair agrees, else None."""
     if len(outputs) != 3:
@@ -161,22 +180,23 @@ class SpotChecker:
         self.config = config
         self.node_id = node_id
         self._rng = world.rng(seed)
-        self._tolerance = [StageTolerance(config) for _ in range(stages)]
+        self._tolerance = {(s, kind): StageTolerance(config) for s in range(stages) for kind in KINDS}
         self._failed: dict[str, _Failed] = {}  # node id -> the checks it failed
         self.accused: dict[str, float] = {}  # node id -> when this trainer accused it
         self.serial = 0  # checks made
 
-    def due(self) -> bool:
-        """Whether this hop of this microbatch is checked."""
-        return self.config.fraction > 0 and self._rng.random() < self.config.fraction
+    def due(self, kind: str) -> bool:
+        """Whether this hop of this microbatch gets a check of ``kind``."""
+        fraction = self.config.fraction / (GRADIENT_COST if kind == "gradient" else 1)
+        return fraction > 0 and self._rng.random() < fraction
 
-    def pick(self, stage: int, primary: str, candidates: Sequence[WorkerRef]) -> WorkerRef | None:
+    def pick(self, stage: int, kind: str, primary: str, candidates: Sequence[WorkerRef]) -> WorkerRef | None:
         """The replica asked to check ``primary``'s output: of those whose pair with it was
         checked least (so every pair, the honest one among them, is measured alike), one at
         random."""
         if not candidates:
             return None
-        checked = self._tolerance[stage].checked
+        checked = self._tolerance[stage, kind].checked
         fewest = min(checked(primary, c.node_id) for c in candidates)
         return self._rng.choice([c for c in candidates if checked(primary, c.node_id) == fewest])
 
@@ -184,23 +204,26 @@ class SpotChecker:
         self.serial += 1
         return self.serial
 
-    def tolerance(self, stage: int) -> float | None:
+    def tolerance(self, stage: int, kind: str) -> float | None:
         """How far apart two replicas' outputs may stand and agree (None: not learned yet)."""
-        return self._tolerance[stage].value()
+        return self._tolerance[stage, kind].value()
 
-    def measured(self, stage: int, a: str, b: str, distance: float) -> None:
+    def measured(self, stage: int, kind: str, a: str, b: str, distance: float) -> None:
         """A check that settled against neither: ``distance`` is how far honest ones stand."""
-        self._tolerance[stage].measured(a, b, distance)
+        self._tolerance[stage, kind].measured(a, b, distance)
 
-    def settle(self, stage: int, check: int, outputs: dict[str, Tensor], tolerance: float) -> Mismatch | None:
+    def settle(
+        self, stage: int, kind: str, check: int, outputs: dict[str, Tensor | Outputs], tolerance: float
+    ) -> Mismatch | None:
         """Three replicas' outputs after a mismatch: the odd one, if the check settles it (its
         pairs are forgotten, the agreeing pair's distance counts as honest)."""
         found = settle(outputs, tolerance)
         if found is None:
             return None
         odd, pair, measured, agreed = found
-        self._tolerance[stage].forget(odd)
-        self._tolerance[stage].measured(*pair, agreed)
+        for known in KINDS:  # wrong in one kind of answer, it is no measure of honest ones
+            self._tolerance[stage, known].forget(odd)
+        self._tolerance[stage, kind].measured(*pair, agreed)
         measured = min(measured, np.finfo(np.float32).max)  # an infinite one, as a number the record holds
         evidence = CheckEvidence(check, stage, measured, agreed, tolerance)
         return Mismatch(stage, odd, pair, evidence)

@@ -90,6 +90,31 @@ class StageBackend:
             self.module.delay("backward", tokens.shape[0])
         return None if inputs is None else self._outgoing(inputs.grad)
 
+    def gradient(
+        self,
+        tokens: torch.Tensor,
+        boundary: torch.Tensor,
+        *,
+        grad: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """What a backward (body: ``grad`` given) or ``forward_backward`` (tail: ``labels``)
+        returns, computed without training: the input gradient, and the tail's per-sample
+        losses. Only the input's gradient is taken, so no parameter gradient accumulates."""
+        inputs = self._leaf(boundary)
+        with torch.enable_grad(), self._autocast():
+            if labels is None:
+                out = self.module(self._to_device(tokens), inputs)
+                (found,) = torch.autograd.grad(out, inputs, self._to_device(grad).to(out.dtype))
+                result = {}
+            else:
+                losses = self.module(self._to_device(tokens), inputs, self._to_device(labels))
+                (found,) = torch.autograd.grad(losses.sum(), inputs)
+                result = {"loss": losses.detach().float().cpu()}
+        self.module.delay("forward", tokens.shape[0])
+        self.module.delay("backward", tokens.shape[0])
+        return {**result, "grad": self._outgoing(found)}
+
     def forward_backward(
         self, tokens: torch.Tensor, boundary: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The pipeline methods a worker serves to trainers: ``forward``, ``backward``, ``forward_backward``.
+"""The pipeline methods a worker serves to trainers: ``forward``, ``backward``, ``forward_backward``,
+and ``gradient`` (a backward's or the tail's result computed without training, for spot checks).
 
 Each request is checked before it is queued: it must be for this worker's stage, reach a
 worker trainers may use now (admitted, in an authorized run; not downloading, not in weight
@@ -67,6 +68,7 @@ class PipelineService:
         server.register(Method.FORWARD, self._on_forward, access=access)
         server.register(Method.BACKWARD, self._on_backward, access=access)
         server.register(Method.FORWARD_BACKWARD, self._on_forward_backward, access=access)
+        server.register(Method.GRADIENT, self._on_gradient, access=access)
 
     def _check(self, request: Request) -> dict:
         stage = request.meta.get("stage") if isinstance(request.meta, dict) else None
@@ -124,6 +126,15 @@ class PipelineService:
         if self._injections.armed:
             self._injections.reached(Trigger.BACKWARD)
         return Payload(tensors={"grad": self._outgoing_gradient(result["grad"])} if "grad" in result else {})
+
+    async def _on_gradient(self, request: Request) -> Payload:
+        tensors = self._check(request)
+        if self._role == StageRole.HEAD:
+            raise BadRequest("the head returns no input gradient: there is nothing to recompute")
+        tail = self._role == StageRole.TAIL
+        inputs = self._inputs(tensors, boundary=True, labels=tail, grad=not tail)
+        result = await self._runtime.submit(Op.GRADIENT, inputs)
+        return Payload(tensors=dict(result))
 
     async def _on_forward_backward(self, request: Request) -> Payload:
         tensors = self._check(request)

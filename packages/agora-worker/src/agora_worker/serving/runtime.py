@@ -55,11 +55,12 @@ class Op(enum.StrEnum):
     EVALUATE = "evaluate"  # tail: per-sample losses, no training
     BACKWARD = "backward"  # head/body: recompute, backpropagate, accumulate
     FORWARD_BACKWARD = "forward_backward"  # tail: loss and input gradient in one pass
+    GRADIENT = "gradient"  # body/tail: the input gradient (tail: and losses), no training
 
     @property
     def queue(self) -> str:
         """The queue it waits in: forward work or backward (training) work."""
-        return "forward" if self in (Op.FORWARD, Op.EVALUATE) else "backward"
+        return "forward" if self in (Op.FORWARD, Op.EVALUATE, Op.GRADIENT) else "backward"
 
 
 @dataclass(eq=False)
@@ -384,6 +385,10 @@ class Runtime:
         if op == Op.BACKWARD:
             grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
             return {} if grad is None else {"grad": grad}
+        if op == Op.GRADIENT:
+            return backend.gradient(
+                merged["tokens"], merged["boundary"], grad=merged.get("grad"), labels=merged.get("labels")
+            )
         loss, grad = backend.forward_backward(merged["tokens"], merged["boundary"], merged["labels"])
         return {"loss": loss, "grad": grad}
 

@@ -15,6 +15,8 @@ from agora_core.dht.storage import RecordStore
 from agora_core.errors import ConfigError
 from agora_core.identity import NodeKey
 from agora_core.schema import (
+    MAX_RECEIPTS,
+    TrainerProgress,
     WorkerAnnouncement,
     WorkerDeparture,
     parse_entries,
@@ -150,3 +152,21 @@ def test_only_the_departing_worker_may_publish_its_departure():
         write(other, departure(worker))  # another node cannot claim the worker left
     with pytest.raises(RecordRejected, match="reason"):
         write(worker, departure(worker, reason="bored"))
+
+
+def test_a_trainer_report_carries_its_receipts_and_refuses_ones_it_could_not_have_given():
+    report = TrainerProgress(
+        node_id="t", loss_ema=3.0, loss_last=2.9, samples=40, tokens=640, lanes=2, receipts={"a": 40, "b": 12}
+    )
+    assert TrainerProgress.from_value(report.to_value()) == report
+    older = {k: v for k, v in report.to_value().items() if k != "receipts"}  # a report without any
+    assert TrainerProgress.from_value(older).receipts == {}
+    for receipts, why in (
+        ({"a": 41}, "between 0 and"),  # more than it completed
+        ({"a": -1}, "between 0 and"),
+        ({"a": True}, "between 0 and"),
+        ({"": 1}, "node id"),
+        ({f"w{i}": 0 for i in range(MAX_RECEIPTS + 1)}, "at most"),
+    ):
+        with pytest.raises(RecordRejected, match=why):
+            TrainerProgress.from_value({**report.to_value(), "receipts": receipts})

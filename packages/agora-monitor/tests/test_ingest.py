@@ -3,6 +3,8 @@ constructed snapshots folded into a real SQLite file, read back from it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agora_core.config import load_run_config
@@ -148,3 +150,53 @@ def test_a_worker_that_left_cleanly_shows_as_left_and_only_a_vanished_one_as_los
         alerts = current_alerts(connection, run.name, MonitorSettings(), now=T0 + 15)
     assert [a["subject"] for a in alerts if a["name"] == "worker_lost"] == [node_id("vanishes")]
     store.close()
+
+
+def leaderboard(store: MonitorStore, run) -> dict[str, dict]:
+    with store.transaction() as connection:
+        return {row["account"]: row for row in queries.leaderboard(connection, run.name)}
+
+
+def test_workers_are_credited_by_trainers_receipts_not_by_what_they_report(db, run):
+    store, ingest = monitor(db, run)
+    a, b = worker("a", 0), worker("b", 0)
+    apart = {"a": "alice", "b": "bob", "t": "tom"}  # the trainer is of neither worker's account
+    # a claims 1000 samples in its own progress; the trainer vouches for 30 of a's and 10 of b's
+    snap = snapshot(
+        T0, workers=[a, b], progress={"a": (0, 1000), "b": (0, 10)}, accounts=apart,
+        trainers=[trainer("t", 40, receipts={"a": 30, "b": 10})],
+    )  # fmt: skip
+    fold(store, ingest, snap)
+    board = leaderboard(store, run)
+    assert board["alice"]["worker_samples"] == 30 and board["alice"]["reported_worker_samples"] == 1000
+    assert board["bob"]["worker_samples"] == 10 and board["tom"]["trainer_samples"] == 40
+
+    # read again: nothing new; then 5 more for a; then the trainer restarts (its counts drop)
+    def reported(t: float, samples: int, receipts: dict[str, int]) -> None:
+        fold(
+            store,
+            ingest,
+            snapshot(t, workers=[a, b], accounts=apart, trainers=[trainer("t", samples, receipts=receipts)]),
+        )
+
+    for t in (T0 + 1, T0 + 2):
+        reported(t, 45, {"a": 35, "b": 10})
+    reported(T0 + 3, 4, {"a": 4})
+    assert leaderboard(store, run)["alice"]["worker_samples"] == 35 + 4
+    store.close()
+    # a restarted monitor continues the same counts: the trainer's next report adds only what is new
+    store, ingest = monitor(db, run)
+    reported(T0 + 4, 9, {"a": 9})
+    assert leaderboard(store, run)["alice"]["worker_samples"] == 35 + 9
+    store.close()
+
+
+def test_a_trainer_vouches_for_its_own_accounts_workers_only_as_the_operators_or_in_an_open_run(db, run):
+    anchored = dataclasses.replace(run, admission=dataclasses.replace(run.admission, anchor_accounts=["ops"]))
+    self_dealing = [trainer("t", 50, receipts={"a": 50})]  # one contributor runs the trainer and the worker
+    cases = [("mallory", run, 0), ("ops", anchored, 50), ("", run, 50)]  # "": an open run, no credentials
+    for index, (account, config, credited) in enumerate(cases):
+        store, ingest = monitor(db.replace(".db", f"-{index}.db"), config)
+        fold(store, ingest, snapshot(T0, workers=[worker("a", 0)], trainers=self_dealing, account=account))
+        assert leaderboard(store, config)[account]["worker_samples"] == credited, account
+        store.close()

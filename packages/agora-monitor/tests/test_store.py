@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import sqlalchemy as sa
 
 from agora_core.config import load_run_config
 from agora_devkit.monitor import snapshot, trainer, worker
-from agora_monitor import queries
+from agora_monitor import queries, schema
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Ingest
 from agora_monitor.settings import MonitorSettings
@@ -60,3 +61,25 @@ def test_two_runs_share_a_database_and_a_restarted_monitor_restores_each(db_url,
 def test_a_bad_database_url_is_refused_naming_the_forms_it_takes(url, why):
     with pytest.raises(MonitorDatabaseError, match=why):
         MonitorStore(url)
+
+
+def test_a_database_written_before_receipts_is_upgraded_in_place_keeping_its_rows(db_url, request):
+    run = load_run_config(request.config.rootpath / "examples" / "tiny.toml")
+    with MonitorStore(db_url) as store:
+        store.ensure_run(run, 1000.0)
+        ledger, nodes = store.restore(run.name)
+        store.write(
+            Ingest(run, MonitorSettings(), ledger, nodes).apply(snapshot(1000.0, trainers=[trainer("t", 7)]))
+        )
+        engine = store._engine
+        with engine.begin() as connection:  # what version 2 wrote
+            schema.receipts.drop(connection)
+            connection.execute(sa.update(schema.schema_info).values(version=2))
+    with MonitorStore(db_url) as store:
+        ledger, _ = store.restore(run.name)
+        assert ledger.samples == 7 and ledger.receipts == {}
+        with store.transaction() as connection:
+            assert connection.scalars(sa.select(schema.schema_info.c.version)).all() == [
+                schema.SCHEMA_VERSION
+            ]
+            assert connection.execute(sa.select(schema.receipts)).all() == []

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from agora_core.admission.accusations import accusations_key, parse_accusations
+from agora_core.schema import TrainerProgress
 from agora_devkit.processes import poll_until
 from agora_devkit.trainer import StandInStage, StandInSwarm, stand_in_run
 from agora_trainer.data.sharding import make_shards
@@ -65,6 +66,10 @@ async def test_a_head_replica_with_wrong_outputs_is_caught_kept_from_work_and_ac
         # the tail trained only on honest outputs
         assert trainer.abandoned == 0  # a sample whose head output failed went back and completed
         assert trainer.balancers[0].distrusted(liar)
+        # its signed report vouches, per worker, for the samples it computed: once per stage
+        report = TrainerProgress.from_value(trainer.report().to_value())
+        tail = swarm.stages[-1].key.node_id
+        assert report.receipts[tail] == 60 and sum(report.receipts.values()) == 2 * 60
         await trainer.publish_progress()
         found: list = []
 

@@ -9,7 +9,7 @@ schemas on receive with :func:`register_validators`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from agora_core.admission.accusations import accusations_key, check_accusations
@@ -150,9 +150,15 @@ class StageProgress:
         return progress
 
 
+MAX_RECEIPTS = 512  # workers one trainer report gives receipts for
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerProgress:
-    """A trainer's entry under :func:`trainer_progress_key`."""
+    """A trainer's entry under :func:`trainer_progress_key`, signed by the trainer (its own
+    subkey). ``receipts`` are what it vouches for: per worker, the samples of the microbatches
+    it completed that the worker computed (its forward and backward at one stage), since the
+    trainer started; the monitor credits workers from these, not from what they report."""
 
     node_id: str
     loss_ema: float | None  # None until the first sample completes
@@ -160,6 +166,7 @@ class TrainerProgress:
     samples: int  # completed, since the trainer started
     tokens: int
     lanes: int
+    receipts: dict[str, int] = field(default_factory=dict)  # worker node id -> samples
 
     def to_value(self) -> dict:
         return asdict(self)
@@ -169,9 +176,23 @@ class TrainerProgress:
         kinds = {"node_id": str, "samples": int, "tokens": int, "lanes": int}
         fields = _fields(value, "a trainer progress report", kinds)
         losses = {name: _optional(value, name, NUMBER, None) for name in ("loss_ema", "loss_last")}
-        progress = cls(**fields, **losses)
+        receipts = _optional(value, "receipts", dict, {})
+        progress = cls(**fields, **losses, receipts=receipts)
         if progress.samples < 0 or progress.tokens < 0 or progress.lanes < 0:
             raise RecordRejected("samples, tokens and lanes must be non-negative")
+        if len(receipts) > MAX_RECEIPTS:
+            raise RecordRejected(f"a trainer report holds receipts for at most {MAX_RECEIPTS} workers")
+        for worker, samples in receipts.items():
+            if not isinstance(worker, str) or not 0 < len(worker) <= 64:
+                raise RecordRejected("a receipt names a worker by its node id")
+            if (
+                isinstance(samples, bool)
+                or not isinstance(samples, int)
+                or not 0 <= samples <= progress.samples
+            ):
+                raise RecordRejected(
+                    "a receipt's samples are an int between 0 and the trainer's completed samples"
+                )
         return progress
 
 

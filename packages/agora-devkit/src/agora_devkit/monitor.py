@@ -38,8 +38,15 @@ def worker(
 
 
 def trainer(
-    name: str, samples: int, *, loss: float | None = 3.0, seq_len: int = 128, lanes: int = 4
+    name: str,
+    samples: int,
+    *,
+    loss: float | None = 3.0,
+    seq_len: int = 128,
+    lanes: int = 4,
+    receipts: dict[str, int] | None = None,
 ) -> TrainerProgress:
+    """A trainer's report; ``receipts``: worker name -> the samples it vouches for."""
     return TrainerProgress(
         node_id=node_id(name),
         loss_ema=loss,
@@ -47,6 +54,7 @@ def trainer(
         samples=samples,
         tokens=samples * seq_len,
         lanes=lanes,
+        receipts={node_id(worker): count for worker, count in (receipts or {}).items()},
     )
 
 
@@ -57,19 +65,24 @@ def snapshot(
     progress: dict[str, tuple[int, int]] | None = None,
     trainers: list[TrainerProgress] = (),
     account: str = "acme",
+    accounts: dict[str, str] | None = None,
 ) -> Snapshot:
     """A snapshot at ``t`` of live ``workers`` (their progress: name -> (step, samples)) and
-    ``trainers``, every node a member under ``account``."""
+    ``trainers``, every node a member under ``account`` but those ``accounts`` names (node
+    name -> its account)."""
     snap = Snapshot(t=t, workers=list(workers), trainers=list(trainers))
     by_id = {w.node_id: w for w in workers}
     for name, (step, samples) in (progress or {}).items():
         announced = by_id[node_id(name)]
         report = StageProgress(node_id=announced.node_id, step=step, samples=samples)
         snap.progress.setdefault(announced.stage, []).append(report)
+    held = {node_id(name): owner for name, owner in (accounts or {}).items()}
     for w in workers:
-        snap.members[w.node_id] = MemberInfo(w.node_id, w.address, "worker", account, w.stage)
+        snap.members[w.node_id] = MemberInfo(
+            w.node_id, w.address, "worker", held.get(w.node_id, account), w.stage
+        )
     for tr in trainers:
-        snap.members[tr.node_id] = MemberInfo(tr.node_id, "", "trainer", account, None)
+        snap.members[tr.node_id] = MemberInfo(tr.node_id, "", "trainer", held.get(tr.node_id, account), None)
     return snap
 
 

@@ -22,10 +22,12 @@ from agora_core.config import RunConfig
 from agora_core.contract import Phase
 from agora_monitor.ledger import (
     Ledger,
+    ReceiptCounter,
     StageCounter,
     TrainerCounter,
     WorkerCounter,
     advance_stage,
+    receipt_delta,
     trainer_delta,
     worker_delta,
 )
@@ -42,6 +44,7 @@ class Rows:
     worker_steps: list[dict] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)  # full rows of every node that changed
     flags: list[Flag] = field(default_factory=list)
+    receipts: list[dict] = field(default_factory=list)  # (trainer, worker) rows that changed
 
 
 def new_node(run: str, node_id: str, role: str, t: float) -> dict:
@@ -126,8 +129,10 @@ class Ingest:
             if first:
                 counter = self.ledger.trainers[report.node_id] = TrainerCounter()
             dt = snap.t - counter.t
+            restarts = counter.restarts
             delta, _ = trainer_delta(counter, report.samples, report.tokens)
             counter.t = snap.t
+            self._receipts(snap, rows, report.node_id, report.receipts, restarted=counter.restarts > restarts)
             if not first and capacity and dt > 0:
                 allowed = capacity * self.settings.rate_slack * dt + report.lanes
                 if delta > allowed:
@@ -150,6 +155,34 @@ class Ingest:
                 elif loss is not None:
                     nonfinite += 1
         return _mean(losses), nonfinite
+
+    def _account(self, snap: Snapshot, node_id: str) -> str:
+        member = snap.members.get(node_id)
+        if member is not None:
+            return member.account
+        row = self.nodes.get(node_id)
+        return "" if row is None else row["account"]
+
+    def _receipts(
+        self, snap: Snapshot, rows: Rows, trainer: str, receipts: dict[str, int], *, restarted: bool
+    ) -> None:
+        """One trainer's receipts into the (trainer, worker) counters and the workers' credit."""
+        account = self._account(snap, trainer)
+        anchors = self.run.admission.anchor_accounts
+        for worker, reported in receipts.items():
+            counter = self.ledger.receipts.get((trainer, worker))
+            if counter is None:
+                counter = self.ledger.receipts[trainer, worker] = ReceiptCounter()
+            # an open run has no accounts; else a trainer vouches only for another's workers,
+            # unless it is the operator's own
+            counter.counts = not account or account in anchors or account != self._account(snap, worker)
+            if counter.reported == reported and not restarted:
+                continue
+            receipt_delta(counter, reported, restarted=restarted)
+            rows.receipts.append(
+                {"run": self.run.name, "trainer": trainer, "worker": worker, "reported": counter.reported,
+                 "credited": counter.credited, "counts": counter.counts, "last_t": snap.t}
+            )  # fmt: skip
 
     def _stages(self, snap: Snapshot, rows: Rows) -> None:
         target = self.run.optimizer.target_batch_size

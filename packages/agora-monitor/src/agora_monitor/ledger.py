@@ -14,6 +14,12 @@ turns them into totals that count each sample once:
   (it started late; a step between two snapshots) count at the target: a lower bound.
 * A **trainer** reports completed samples since its process started: a counter that drops
   is a restart, whose new counter adds from zero.
+* A trainer's **receipts** (its signed report: per worker, the samples of its completed
+  microbatches that worker computed) credit workers the same way, per (trainer, worker): a
+  count that drops, or a trainer that restarted, adds from zero. They count for a worker only
+  from a trainer it cannot be: one of another account, or of an anchor account (the
+  operator's), or in an open run (no accounts at all). A worker's own reports credit it
+  nothing: the leaderboard counts receipts.
 
 The ledger is the only owner of this state; the database keeps a copy (every snapshot's
 rows) from which :meth:`Ledger.restore` rebuilds it after a monitor restart.
@@ -41,6 +47,23 @@ class TrainerCounter:
     tokens: int = 0
     restarts: int = 0
     t: float = 0.0
+
+
+@dataclass
+class ReceiptCounter:
+    reported: int = 0  # the trainer's count for the worker as last read
+    credited: int = 0  # samples credited to the worker from this trainer, across its restarts
+    counts: bool = True  # whether this trainer's receipts count for the worker (its account)
+
+
+def receipt_delta(counter: ReceiptCounter, reported: int, *, restarted: bool) -> int:
+    """Record a trainer's receipt count for one worker; the samples it adds (credited when
+    ``counter.counts``). A drop, or a restart of the trainer, starts a new count."""
+    delta = reported if restarted or reported < counter.reported else reported - counter.reported
+    counter.reported = reported
+    if counter.counts:
+        counter.credited += delta
+    return delta
 
 
 @dataclass
@@ -112,6 +135,7 @@ class Ledger:
     workers: dict[str, WorkerCounter] = field(default_factory=dict)
     trainers: dict[str, TrainerCounter] = field(default_factory=dict)
     stages: dict[int, StageCounter] = field(default_factory=dict)
+    receipts: dict[tuple[str, str], ReceiptCounter] = field(default_factory=dict)  # (trainer, worker)
     last_t: float | None = None  # the previous snapshot's time and trainers' token total
     last_tokens: int = 0
 

@@ -164,8 +164,10 @@ def nodes(connection: Connection, run: str) -> list[dict]:
 
 
 def leaderboard(connection: Connection, run: str) -> list[dict]:
-    """Per credential account: its nodes, live ones, and the samples they processed."""
-    n = schema.nodes
+    """Per credential account: its nodes, live ones, and the samples they processed: its
+    workers' by the receipts that count for them (trainers' signed counts, :mod:`.ledger`),
+    next to what they reported themselves; its trainers' completed ones."""
+    n, r = schema.nodes, schema.receipts
     worker = n.c.role == "worker"
     trainer = n.c.role == "trainer"
     query = (
@@ -175,16 +177,25 @@ def leaderboard(connection: Connection, run: str) -> list[dict]:
             func.sum(cast(n.c.live, Integer)).label("live"),
             func.sum(cast(worker, Integer)).label("workers"),
             func.sum(cast(trainer, Integer)).label("trainers"),
-            func.coalesce(func.sum(n.c.samples).filter(worker), 0).label("worker_samples"),
+            func.coalesce(func.sum(n.c.samples).filter(worker), 0).label("reported_worker_samples"),
             func.coalesce(func.sum(n.c.samples).filter(trainer), 0).label("trainer_samples"),
         )
         .where(n.c.run == run)
         .group_by(n.c.account)
     )
+    receipted = (
+        select(n.c.account, func.sum(r.c.credited).label("credited"))
+        .join(n, (n.c.run == r.c.run) & (n.c.node_id == r.c.worker))
+        .where(r.c.run == run)
+        .group_by(n.c.account)
+    )
+    credited = {account: int(total or 0) for account, total in connection.execute(receipted)}
     rows = [
         {k: (int(v) if k != "account" and v is not None else v) for k, v in row.items()}
         for row in connection.execute(query).mappings()
     ]
+    for row in rows:
+        row["worker_samples"] = credited.get(row["account"], 0)
     rows.sort(key=lambda row: (-(row["worker_samples"] + row["trainer_samples"]), row["account"]))
     return rows
 

@@ -18,8 +18,12 @@ are wall-clock seconds in double precision.
   minute instead of twelve.
 * ``flags``: records the monitor distrusts (bad writer, impossible rate, unreconciled
   samples), one row per (run, subject, kind) with a count, so a persistent fault is one row.
+* ``receipts``: per (trainer, worker), the trainer's signed count of the worker's samples as
+  last read, and the samples credited to the worker from it (:mod:`.ledger`): what the
+  leaderboard counts for workers.
 
-Bump :data:`SCHEMA_VERSION` with any change: a monitor refuses a database of another version.
+Bump :data:`SCHEMA_VERSION` with any change: a monitor refuses a database of another version,
+except one of :data:`UPGRADES_FROM`, which lacks only tables added since (created on opening).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from sqlalchemy import (
     Table,
 )
 
-SCHEMA_VERSION = 2  # 2: the per-minute rollups; nodes.left_t
+SCHEMA_VERSION = 3  # 2: the per-minute rollups; nodes.left_t. 3: receipts
+UPGRADES_FROM = (2,)  # versions whose databases lack only tables added since
 RUN = 200  # a run name's length bound
 NODE_ID = 64  # node ids are 40 hex digits; flags' subjects ("stage/3") fit too
 
@@ -194,4 +199,17 @@ flags = Table(
     Column("first_t", Double, nullable=False),
     Column("last_t", Double, nullable=False),
     PrimaryKeyConstraint("run", "subject", "kind"),
+)
+
+receipts = Table(
+    "receipts",
+    metadata,
+    Column("run", String(RUN), nullable=False),
+    Column("trainer", String(NODE_ID), nullable=False),
+    Column("worker", String(NODE_ID), nullable=False),
+    Column("reported", BigInteger, nullable=False),  # the trainer's count as last read (resets with it)
+    Column("credited", BigInteger, nullable=False),  # samples credited to the worker from it, in all
+    Column("counts", Boolean, nullable=False),  # whether this trainer's receipts count for this worker
+    Column("last_t", Double, nullable=False),
+    PrimaryKeyConstraint("run", "trainer", "worker"),
 )

@@ -15,7 +15,7 @@ from agora_core.node.sql import SqlDatabase
 from agora_monitor import rollup, schema
 from agora_monitor.errors import MonitorDatabaseError
 from agora_monitor.ingest import Rows
-from agora_monitor.ledger import Ledger, StageCounter, TrainerCounter, WorkerCounter
+from agora_monitor.ledger import Ledger, ReceiptCounter, StageCounter, TrainerCounter, WorkerCounter
 
 UPDATED_NODE_COLUMNS = [
     c.name for c in schema.nodes.columns if c.name not in ("run", "node_id", "first_seen")
@@ -34,6 +34,7 @@ class MonitorStore(SqlDatabase):
             what="monitor",
             error=MonitorDatabaseError,
             driver_hint="pip install 'agora-monitor[postgresql]'",
+            upgrades_from=schema.UPGRADES_FROM,
         )
 
     def __enter__(self) -> MonitorStore:
@@ -96,6 +97,14 @@ class MonitorStore(SqlDatabase):
                     set_={c: statement.excluded[c] for c in UPDATED_NODE_COLUMNS},
                 )
                 connection.execute(statement, rows.nodes)
+            if rows.receipts:
+                statement = self.upsert(schema.receipts)
+                columns = ("reported", "credited", "counts", "last_t")
+                statement = statement.on_conflict_do_update(
+                    index_elements=["run", "trainer", "worker"],
+                    set_={c: statement.excluded[c] for c in columns},
+                )
+                connection.execute(statement, rows.receipts)
             if rows.flags:
                 self._write_flags(connection, run, t, rows)
         return snapshot_id
@@ -161,6 +170,11 @@ class MonitorStore(SqlDatabase):
                 )
                 for node_id, step, samples in held:
                     counter.at_step.setdefault(step, {})[node_id] = samples
+            r = schema.receipts
+            for row in connection.execute(select(r).where(r.c.run == run_name)).mappings():
+                ledger.receipts[row["trainer"], row["worker"]] = ReceiptCounter(
+                    reported=row["reported"], credited=row["credited"], counts=row["counts"]
+                )
             last = connection.execute(
                 select(schema.snapshots.c.t, schema.snapshots.c.tokens)
                 .where(schema.snapshots.c.run == run_name)

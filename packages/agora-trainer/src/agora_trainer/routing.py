@@ -28,6 +28,7 @@ microbatch whose own worker stood apart is not used (:class:`SampleFailed`: requ
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,7 @@ from agora_core.injection import NO_INJECTIONS, InjectionPoints, Slowdown, Trigg
 from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_core.rpc import Payload, RpcClient
+from agora_core.schema import MAX_RECEIPTS
 from agora_trainer.balancer import StageBalancer, WorkerRef
 from agora_trainer.checking import SpotChecks
 from agora_trainer.spotcheck import SpotCheckConfig
@@ -136,6 +138,9 @@ class PipelineRouter:
             distrust_s=config.distrust_s,
         )
         self.spot = self.checks.rules
+        # Receipts: per worker, the samples of completed microbatches it computed (the
+        # trainer's signed progress report carries them); the most recently credited last.
+        self.receipts: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     @property
     def stages(self) -> int:
@@ -248,10 +253,12 @@ class PipelineRouter:
         tail_inputs = {"tokens": inputs, "boundary": boundary, "labels": labels}
         tail_worker, reply = await self._call(lane, tail, Method.FORWARD_BACKWARD, tail_inputs)
         answer = {"loss": reply.tensors["loss"], "grad": reply.tensors["grad"]}
+        trained = [tail_worker.node_id]  # the workers whose training the microbatch counts at
         if checks.due("gradient"):
             agreed = await checks.check("gradient", tail, Method.GRADIENT, tail_inputs, tail_worker, answer)
-            if agreed is not None:
+            if agreed is not None:  # the tail stood apart: it earns no receipt
                 tail_worker, answer = agreed
+                trained = []
         elif checks.due("forward"):  # its losses only: a wrong one's gradient has no stand-in
             losses_only = {"loss": answer["loss"]}
             if await checks.check("forward", tail, Method.FORWARD, tail_inputs, tail_worker, losses_only):
@@ -280,10 +287,21 @@ class PipelineRouter:
             if worker.node_id != forward_worker.node_id:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")
+            trained.append(worker.node_id)
             if grad is not None and sent is not None and checks.due("gradient"):
                 answer = {"grad": grad}
                 agreed = await checks.check("gradient", stage, Method.GRADIENT, tensors, worker, answer)
                 if agreed is not None:
                     grad = agreed[1]["grad"]
+                    trained.pop()
         lane.stage = -1
+        self._receipt(trained, tokens.shape[0])
         return losses
+
+    def _receipt(self, workers: list[str], samples: int) -> None:
+        """Credit ``workers`` with a completed microbatch's ``samples`` (at most
+        ``MAX_RECEIPTS`` workers kept: the least recently credited go first)."""
+        for node_id in workers:
+            self.receipts[node_id] = self.receipts.pop(node_id, 0) + samples
+        while len(self.receipts) > MAX_RECEIPTS:
+            self.receipts.popitem(last=False)

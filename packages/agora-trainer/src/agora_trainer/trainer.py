@@ -261,6 +261,7 @@ class Trainer:
             samples=self.counters.completed,
             tokens=self.tokens,
             lanes=len(self.lanes),
+            receipts=dict(self.router.receipts),
         )
 
     async def publish_progress(self) -> None:

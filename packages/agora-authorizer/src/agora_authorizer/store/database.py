@@ -8,7 +8,6 @@ store's method returns, so once a caller has been told something (a request id, 
 
 from __future__ import annotations
 
-from sqlalchemy import MetaData, Table, func, select, update
 from sqlalchemy.engine import URL
 
 from agora_authorizer.store import schema
@@ -24,8 +23,6 @@ __all__ = [
     "NotFound",
     "StoreError",
 ]
-
-_UPGRADE_LOCK = 0x61676F7275  # PostgreSQL advisory lock key held while upgrading ("agoru")
 
 
 class StoreError(DatabaseError):
@@ -69,17 +66,5 @@ class Database(sql.SqlDatabase):
             error=StoreError,
             driver_hint="pip install 'agora-authorizer[postgresql]'",
             busy_timeout_s=busy_timeout_s,
+            upgrades_from=schema.UPGRADES_FROM,
         )
-
-    def _create_tables(self, metadata: MetaData, schema_info: Table, version: int, what: str) -> None:
-        """Upgrade a database of an older version this one only added tables to (creating
-        them and moving its version on, in one transaction), then create and check as usual."""
-        with self.transaction(write=True) as connection:
-            if self.backend == "postgresql":  # two processes opening one database take turns
-                connection.execute(select(func.pg_advisory_xact_lock(_UPGRADE_LOCK)))
-            if connection.dialect.has_table(connection, schema_info.name):
-                versions = connection.scalars(select(schema_info.c.version)).all()
-                if len(versions) == 1 and versions[0] in schema.UPGRADES_FROM:
-                    metadata.create_all(connection)
-                    connection.execute(update(schema_info).values(version=version))
-        super()._create_tables(metadata, schema_info, version, what)

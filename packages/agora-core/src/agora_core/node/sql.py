@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy import MetaData, Table, event, exc, func, insert, select
+from sqlalchemy import MetaData, Table, event, exc, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, make_url
 
@@ -101,7 +101,9 @@ class SqlDatabase:
 
     ``metadata`` holds the role's tables, among them ``schema_info`` (one ``version``
     column); a database written under another ``schema_version`` is refused, naming ``what``
-    reads it. Errors are raised as ``error`` (a role's own subclass of DatabaseError)."""
+    reads it, except one of a version in ``upgrades_from``, which lacks only tables added
+    since: they are created and its version moved on as it is opened, in one transaction.
+    Errors are raised as ``error`` (a role's own subclass of DatabaseError)."""
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class SqlDatabase:
         error: type[DatabaseError] = DatabaseError,
         driver_hint: str = "pip install 'psycopg[binary]'",
         busy_timeout_s: float = BUSY_TIMEOUT_S,
+        upgrades_from: tuple[int, ...] = (),
     ) -> None:
         self._error = error
         engine_url, self.url, self.backend = parse_url(url, error=error)
@@ -123,6 +126,7 @@ class SqlDatabase:
             self._engine = _postgresql_engine(engine_url, self.url, driver_hint, error)
         self.upsert = sqlite.insert if self.backend == "sqlite" else postgresql.insert
         self._closed = False
+        self._upgrades_from = upgrades_from
         try:
             self._create_tables(metadata, schema_info, schema_version, what)
         except BaseException:
@@ -153,6 +157,11 @@ class SqlDatabase:
         with self.transaction(write=True) as connection:
             if self.backend == "postgresql":  # two processes opening a new database take turns
                 connection.execute(select(func.pg_advisory_xact_lock(_CREATE_LOCK)))
+            if self._upgrades_from and connection.dialect.has_table(connection, schema_info.name):
+                versions = connection.scalars(select(schema_info.c.version)).all()
+                if len(versions) == 1 and versions[0] in self._upgrades_from:
+                    metadata.create_all(connection)
+                    connection.execute(update(schema_info).values(version=version))
             metadata.create_all(connection)
             versions = connection.scalars(select(schema_info.c.version)).all()
             if not versions:

@@ -19,10 +19,13 @@ gradient through another replica's weights would touch a sound replica to spare 
 one. A microbatch that went through a worker distrusted meanwhile is no evidence: its losses
 are not recorded.
 
-The trainer also spot-checks its workers (``agora_trainer.spotcheck``): at each stage, a
-fraction of hops is asked again of a second replica, and a mismatch of a third. A worker whose
-output stands apart is distrusted the same way, and accused once it did so repeatedly; a
-microbatch whose own worker stood apart is not used (:class:`SampleFailed`: requeued).
+The trainer also spot-checks its workers (``agora_trainer.checking``): at each stage, some
+forwards and backwards are asked again of a second replica, and a mismatch of a third. A
+worker whose answer stands apart is distrusted the same way, and accused once it did so
+repeatedly; when it was the hop's own worker, the microbatch goes on with the agreeing
+replica's answer (a tail whose losses failed has no stand-in gradient: :class:`SampleFailed`).
+Each completed microbatch is a receipt for the workers whose training it counts at (the
+trainer's progress report carries them).
 """
 
 from __future__ import annotations

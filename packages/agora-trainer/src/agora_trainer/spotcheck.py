@@ -13,23 +13,23 @@ question it asked the first (``agora_trainer.checking`` makes the calls). Two ki
 
 The measure is the relative distance of the two outputs, ``|a - b| / max(|a|, |b|)`` over
 the whole microbatch (a non-finite output or a wrong shape: infinitely far; of several
-outputs, the largest). Honest replicas
-are not identical: each takes local steps between averaging rounds, and early in a run their
-outputs may stand far apart. So each stage's tolerance, per kind of check, is learned: ``tolerance_factor`` x the
-median distance of the closest pair of replicas (the pair with the smallest median over its
-last ``PAIR_HISTORY`` checks, once it has ``pair_checks``), at least ``min_tolerance``. Until
-some pair has that many, a stage's checks only measure. The closest pair, not all pairs: a liar
-stands in most pairs of a small stage, and one that stays just inside the tolerance must not
-drag it upwards. A stage whose honest replicas stand as far apart as unrelated outputs (about
-1.4) cannot tell a liar by its output; the tolerance (a gauge) says so.
+outputs, the largest). Honest replicas are not identical: each takes local steps between
+averaging rounds, and early in a run their outputs may stand far apart. So each stage's
+tolerance, per kind of check, is learned: ``tolerance_factor`` x the median distance of the
+closest pair of replicas (the pair with the smallest median over its last ``PAIR_HISTORY``
+checks, once it has ``pair_checks``), at least ``min_tolerance``. Until some pair has that
+many, a stage's checks only measure. The closest pair, not all pairs: a liar stands in most
+pairs of a small stage, and one that stays just inside the tolerance must not drag it
+upwards. A stage whose honest replicas stand as far apart as unrelated outputs (about 1.4)
+cannot tell a liar by its output; the tolerance (a gauge) says so.
 
 A mismatch alone says nothing about who is wrong. A third replica is asked: when exactly one
 pair of the three agrees, the other is the odd one out; otherwise (no third replica, or no
 single agreeing pair) the check stays unresolved. The odd one is distrusted for a while (no
 new microbatch; see ``StageBalancer.distrust``), and after ``accuse_after`` settled
 mismatches the trainer accuses it of ``compute_output`` in the DHT, with the checks as
-evidence (:mod:`agora_core.admission.accusations`). When the odd one was the microbatch's own
-worker, its output is not used (``agora_trainer.checking``).
+evidence (:mod:`agora_core.admission.accusations`). When the odd one was the hop's own
+worker, its answer is not used (``agora_trainer.checking``).
 """
 
 from __future__ import annotations

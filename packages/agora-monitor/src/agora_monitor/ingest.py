@@ -173,9 +173,10 @@ class Ingest:
             counter = self.ledger.receipts.get((trainer, worker))
             if counter is None:
                 counter = self.ledger.receipts[trainer, worker] = ReceiptCounter()
-            # an open run has no accounts; else a trainer vouches only for another's workers,
-            # unless it is the operator's own
-            counter.counts = not account or account in anchors or account != self._account(snap, worker)
+            # an open run has no accounts; else a trainer vouches only for another's workers
+            # (one whose account is known), unless it is the operator's own
+            owner = self._account(snap, worker)
+            counter.counts = not account or account in anchors or owner not in ("", account)
             if counter.reported == reported and not restarted:
                 continue
             receipt_delta(counter, reported, restarted=restarted)

@@ -185,6 +185,7 @@ def leaderboard(connection: Connection, run: str) -> list[dict]:
     )
     receipted = (
         select(n.c.account, func.sum(r.c.credited).label("credited"))
+        .select_from(r)
         .join(n, (n.c.run == r.c.run) & (n.c.node_id == r.c.worker))
         .where(r.c.run == run)
         .group_by(n.c.account)

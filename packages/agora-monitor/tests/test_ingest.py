@@ -191,6 +191,35 @@ def test_workers_are_credited_by_trainers_receipts_not_by_what_they_report(db, r
     store.close()
 
 
+def test_receipts_beyond_one_per_stage_for_each_new_sample_are_flagged_and_credit_nothing(db, run):
+    store, ingest = monitor(db, run)
+    a, b = worker("a", 0), worker("b", 1)
+    apart = {"a": "alice", "b": "bob", "t": "tom"}
+    fold(
+        store,
+        ingest,
+        snapshot(
+            T0, workers=[a, b], accounts=apart, trainers=[trainer("t", 10, receipts={"a": 10, "b": 10})]
+        ),
+    )
+    # 10 new samples through 4 stages: at most 40 receipts; it claims 30 + 25
+    inflated = [trainer("t", 20, receipts={"a": 10 + 30, "b": 10 + 25})]
+    flags = fold(store, ingest, snapshot(T0 + 1, workers=[a, b], accounts=apart, trainers=inflated))
+    assert [f.kind for f in flags] == ["receipts_exceed"] and "at most 40" in flags[0].detail
+    board = leaderboard(store, run)
+    assert board["alice"]["worker_samples"] == 10 and board["bob"]["worker_samples"] == 10
+    # the next report adds only what is new after the inflated one
+    fold(
+        store,
+        ingest,
+        snapshot(
+            T0 + 2, workers=[a, b], accounts=apart, trainers=[trainer("t", 22, receipts={"a": 42, "b": 35})]
+        ),
+    )
+    assert leaderboard(store, run)["alice"]["worker_samples"] == 12
+    store.close()
+
+
 def test_a_trainer_vouches_for_its_own_accounts_workers_only_as_the_operators_or_in_an_open_run(db, run):
     anchored = dataclasses.replace(run, admission=dataclasses.replace(run.admission, anchor_accounts=["ops"]))
     self_dealing = [trainer("t", 50, receipts={"a": 50})]  # one contributor runs the trainer and the worker

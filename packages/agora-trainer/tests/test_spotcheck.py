@@ -77,7 +77,7 @@ def test_a_replica_standing_apart_is_accused_after_the_configured_mismatches_wit
     assert not spot.failed(first) and spot.record() is None  # one is not enough
     second = spot.settle(1, "forward", spot.next_serial(), outputs, 0.3)
     assert spot.failed(second) and not spot.failed(second)  # accused once, then it stands
-    assert spot.failures("liar") == 3 and spot.info()["accused"] == ["liar"]
+    assert spot.failures("liar") == 3 and list(spot.accused) == ["liar"]
     record = spot.record()
     parsed = AccuserRecord.from_value(record.to_value())  # what every DHT replica checks
     assert parsed.stage is None and parsed.accuser == "trainer-1"

@@ -158,7 +158,7 @@ def _computes_wrongly(attack: str, after_forwards: int) -> None:
 
     def backward(self, tokens, boundary, grad):
         found = honest_backward(self, tokens, boundary, grad)  # its own training stays honest
-        if found is None or served[0] <= after_forwards or attack == "stale":
+        if found is None or served[0] < after_forwards or attack == "stale":
             return found
         return wrong(found)
 

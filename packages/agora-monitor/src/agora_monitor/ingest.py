@@ -27,7 +27,7 @@ from agora_monitor.ledger import (
     TrainerCounter,
     WorkerCounter,
     advance_stage,
-    receipt_delta,
+    receipt_added,
     trainer_delta,
     worker_delta,
 )
@@ -132,7 +132,14 @@ class Ingest:
             restarts = counter.restarts
             delta, _ = trainer_delta(counter, report.samples, report.tokens)
             counter.t = snap.t
-            self._receipts(snap, rows, report.node_id, report.receipts, restarted=counter.restarts > restarts)
+            self._receipts(
+                snap,
+                rows,
+                report.node_id,
+                report.receipts,
+                restarted=counter.restarts > restarts,
+                completed=delta,
+            )
             if not first and capacity and dt > 0:
                 allowed = capacity * self.settings.rate_slack * dt + report.lanes
                 if delta > allowed:
@@ -164,11 +171,21 @@ class Ingest:
         return "" if row is None else row["account"]
 
     def _receipts(
-        self, snap: Snapshot, rows: Rows, trainer: str, receipts: dict[str, int], *, restarted: bool
+        self,
+        snap: Snapshot,
+        rows: Rows,
+        trainer: str,
+        receipts: dict[str, int],
+        *,
+        restarted: bool,
+        completed: int,
     ) -> None:
-        """One trainer's receipts into the (trainer, worker) counters and the workers' credit."""
+        """One trainer's receipts into the (trainer, worker) counters and the workers' credit.
+        ``completed``: the samples its report adds; each is one receipt per stage at most, so
+        a report whose receipts add more is flagged (``receipts_exceed``) and credits nothing."""
         account = self._account(snap, trainer)
         anchors = self.run.admission.anchor_accounts
+        added = []
         for worker, reported in receipts.items():
             counter = self.ledger.receipts.get((trainer, worker))
             if counter is None:
@@ -177,11 +194,22 @@ class Ingest:
             # (one whose account is known), unless it is the operator's own
             owner = self._account(snap, worker)
             counter.counts = not account or account in anchors or owner not in ("", account)
-            if counter.reported == reported and not restarted:
-                continue
-            receipt_delta(counter, reported, restarted=restarted)
+            if counter.reported != reported or restarted:
+                added.append(
+                    (worker, counter, reported, receipt_added(counter, reported, restarted=restarted))
+                )
+        most = completed * self.run.model.n_stages
+        credit = sum(samples for *_, samples in added) <= most
+        if not credit:
+            rows.flags.append(Flag(trainer, "receipts_exceed", (
+                f"receipts for {sum(samples for *_, samples in added)} samples, at most {most} "
+                f"({completed} new samples x {self.run.model.n_stages} stages)")))  # fmt: skip
+        for worker, counter, reported, samples in added:
+            counter.reported = reported
+            if credit and counter.counts:
+                counter.credited += samples
             rows.receipts.append(
-                {"run": self.run.name, "trainer": trainer, "worker": worker, "reported": counter.reported,
+                {"run": self.run.name, "trainer": trainer, "worker": worker, "reported": reported,
                  "credited": counter.credited, "counts": counter.counts, "last_t": snap.t}
             )  # fmt: skip
 

@@ -18,8 +18,10 @@ turns them into totals that count each sample once:
   microbatches that worker computed) credit workers the same way, per (trainer, worker): a
   count that drops, or a trainer that restarted, adds from zero. They count for a worker only
   from a trainer it cannot be: one of another account, or of an anchor account (the
-  operator's), or in an open run (no accounts at all). A worker's own reports credit it
-  nothing: the leaderboard counts receipts.
+  operator's), or in an open run (no accounts at all). Each completed sample is one receipt
+  per stage at most: a report whose receipts add more than its new samples times the stages
+  credits nothing (and is flagged). A worker's own reports credit it nothing: the leaderboard
+  counts receipts.
 
 The ledger is the only owner of this state; the database keeps a copy (every snapshot's
 rows) from which :meth:`Ledger.restore` rebuilds it after a monitor restart.
@@ -56,14 +58,10 @@ class ReceiptCounter:
     counts: bool = True  # whether this trainer's receipts count for the worker (its account)
 
 
-def receipt_delta(counter: ReceiptCounter, reported: int, *, restarted: bool) -> int:
-    """Record a trainer's receipt count for one worker; the samples it adds (credited when
-    ``counter.counts``). A drop, or a restart of the trainer, starts a new count."""
-    delta = reported if restarted or reported < counter.reported else reported - counter.reported
-    counter.reported = reported
-    if counter.counts:
-        counter.credited += delta
-    return delta
+def receipt_added(counter: ReceiptCounter, reported: int, *, restarted: bool) -> int:
+    """The samples a trainer's new receipt count for one worker adds: a drop, or a restart of
+    the trainer, starts a new count."""
+    return reported if restarted or reported < counter.reported else reported - counter.reported
 
 
 @dataclass

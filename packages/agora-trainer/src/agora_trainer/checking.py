@@ -41,7 +41,7 @@ class SpotChecks:
         self._timeout_s = request_timeout_s
         self._distrust_s = distrust_s
         self.rules = SpotChecker(config, len(balancers), node_id=node_id)
-        self.made = self.mismatches = self.unresolved = 0
+        self.mismatches = self.unresolved = 0
         self._m_checks = metrics.counter(
             "agora_trainer_spot_checks_total",
             "Hops asked again of another replica, by kind (forward, gradient) and outcome "
@@ -54,6 +54,11 @@ class SpotChecks:
             "The relative distance two replicas' answers may stand apart and agree.",
             ["to_stage", "kind"],
         )
+
+    @property
+    def made(self) -> int:
+        """Checks made (a second replica answered): each has its number."""
+        return self.rules.serial
 
     def due(self, kind: str) -> bool:
         return self.rules.due(kind)
@@ -105,7 +110,6 @@ class SpotChecks:
             outcome(to_stage=str(stage), kind=kind, outcome="skipped").inc()
             return None
         checker, checked = asked
-        self.made += 1
         check = rules.next_serial()
         tolerance = rules.tolerance(stage, kind)
         if tolerance is None:  # still learning how far apart honest replicas stand: ask a third

@@ -141,10 +141,9 @@ class StageTolerance:
 class Mismatch:
     """A settled spot check: ``odd`` stood apart from two replicas that agreed."""
 
-    stage: int
     odd: str
     agreeing: tuple[str, str]
-    evidence: CheckEvidence
+    evidence: CheckEvidence  # its stage among the rest
 
 
 def settle(
@@ -167,7 +166,6 @@ def settle(
 
 @dataclass
 class _Failed:
-    stage: int
     checks: collections.deque[CheckEvidence]
     total: int = 0
     at: float = 0.0
@@ -183,7 +181,7 @@ class SpotChecker:
         self._tolerance = {(s, kind): StageTolerance(config) for s in range(stages) for kind in KINDS}
         self._failed: dict[str, _Failed] = {}  # node id -> the checks it failed
         self.accused: dict[str, float] = {}  # node id -> when this trainer accused it
-        self.serial = 0  # checks made
+        self.serial = 0  # checks made: each one's number
 
     def due(self, kind: str) -> bool:
         """Whether this hop of this microbatch gets a check of ``kind``."""
@@ -226,7 +224,7 @@ class SpotChecker:
         self._tolerance[stage, kind].measured(*pair, agreed)
         measured = min(measured, np.finfo(np.float32).max)  # an infinite one, as a number the record holds
         evidence = CheckEvidence(check, stage, measured, agreed, tolerance)
-        return Mismatch(stage, odd, pair, evidence)
+        return Mismatch(odd, pair, evidence)
 
     def failed(self, mismatch: Mismatch) -> bool:
         """Count a settled mismatch against its odd one; True when that makes it accused."""
@@ -236,9 +234,7 @@ class SpotChecker:
                 oldest = min(self._failed, key=lambda n: (n in self.accused, self._failed[n].at))
                 del self._failed[oldest]
                 self.accused.pop(oldest, None)
-            failed = self._failed[mismatch.odd] = _Failed(
-                mismatch.stage, collections.deque(maxlen=MAX_EVIDENCE)
-            )
+            failed = self._failed[mismatch.odd] = _Failed(collections.deque(maxlen=MAX_EVIDENCE))
         failed.checks.appendleft(mismatch.evidence)
         failed.total += 1
         failed.at = world.wall()
@@ -252,10 +248,6 @@ class SpotChecker:
         """Settled mismatches counted against ``node_id`` (while it is remembered)."""
         failed = self._failed.get(node_id)
         return 0 if failed is None else failed.total
-
-    def info(self) -> dict:
-        """For the trainer's status: checks made, and whom it accuses."""
-        return {"checks": self.serial, "accused": sorted(self.accused)}
 
     def record(self) -> AccuserRecord | None:
         """This trainer's accusations entry (None while it accuses nobody)."""

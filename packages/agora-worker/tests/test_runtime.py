@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agora_devkit.processes import wait_until_async
-from agora_worker.serving.runtime import Op, Runtime
+from agora_worker.serving.runtime import VERSION, Op, Runtime
 
 
 class GatedBackend:
@@ -21,6 +21,8 @@ class GatedBackend:
         self.started = threading.Event()
         self.batches: list[tuple[str, int]] = []
         self.lengths: list[int] = []  # each batch's sequence length
+        self.versions: list[int | None] = []  # each backward batch's weight version
+        self.marked = 0
 
     def _run(self, op: str, tokens: torch.Tensor) -> None:
         self.batches.append((op, tokens.shape[0]))
@@ -35,7 +37,12 @@ class GatedBackend:
         self._run("forward", tokens)
         return boundary * 2
 
-    def backward(self, tokens, boundary, grad):
+    def mark_version(self) -> int:
+        self.marked += 1
+        return 100 + self.marked
+
+    def backward(self, tokens, boundary, grad, *, version=None):
+        self.versions.append(version)
         self._run("backward", tokens)
         return grad * 3
 
@@ -175,3 +182,25 @@ async def test_a_control_whose_asker_gave_up_leaves_the_compute_thread_serving(r
         result = await rt.submit(Op.FORWARD, sample(4))
     assert float(result["boundary"][0, 0, 0]) == 8.0
     assert rt._thread.is_alive()
+
+
+async def test_a_forward_names_its_weights_and_only_backwards_of_one_version_share_a_batch(runtime):
+    rt, backend = runtime
+    backend.gate.set()
+    named = await rt.submit(Op.FORWARD, sample(1))
+    assert named[VERSION] == 101  # what the backend named when the batch ran
+    backend.gate.clear()  # the next batch waits, so the backwards queue behind it
+    blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
+    await wait_until_async(lambda: len(backend.batches) == 2, what="the blocking batch to start")
+    grad = {"grad": np.ones((1, 4, 2), dtype=np.float32)}
+    tasks = [
+        asyncio.create_task(rt.submit(Op.BACKWARD, {**sample(2), **grad}, version=7 if i % 2 else 8))
+        for i in range(6)
+    ]
+    await wait_until_async(lambda: rt.queued_samples == 6, what="six backwards queued")
+    backend.gate.set()
+    await asyncio.gather(blocker, *tasks)
+    # three of each version wait: a pair of each, then the third of each alone -- never mixed,
+    # and each batch ran under its own version
+    assert [size for _op, size in backend.batches[2:]] == [2, 2, 1, 1]
+    assert backend.versions == [8, 7, 8, 7]

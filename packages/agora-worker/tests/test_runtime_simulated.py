@@ -22,6 +22,9 @@ class BilledBackend:
         self.batches: list[int] = []
         self.started_at: list[float] = []
 
+    def mark_version(self) -> int:
+        return 1
+
     def forward(self, tokens, boundary):
         if bool((tokens == 13).any()):
             raise RuntimeError("poisoned sample")

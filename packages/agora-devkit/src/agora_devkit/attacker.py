@@ -156,8 +156,10 @@ def _computes_wrongly(attack: str, after_forwards: int) -> None:
             return stale(self, honest_evaluate, tokens, boundary, labels), grad
         return wrong(losses), wrong(grad)
 
-    def backward(self, tokens, boundary, grad):
-        found = honest_backward(self, tokens, boundary, grad)  # its own training stays honest
+    def backward(self, tokens, boundary, grad, *, version=None):
+        found = honest_backward(
+            self, tokens, boundary, grad, version=version
+        )  # its own training stays honest
         if found is None or served[0] < after_forwards or attack == "stale":
             return found
         return wrong(found)

@@ -92,6 +92,12 @@ class RoutingConfig:
     spot_check: SpotCheckConfig = field(default_factory=SpotCheckConfig)
 
 
+def weight_version(meta: object) -> int | None:
+    """The weight version a forward's reply named (a worker's word: an int or nothing)."""
+    version = meta.get("version") if isinstance(meta, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) and version >= 0 else None
+
+
 class PipelineRouter:
     def __init__(
         self,
@@ -150,8 +156,18 @@ class PipelineRouter:
         return len(self._balancers)
 
     async def _call(
-        self, lane: LaneState, stage: int, method: str, tensors: dict, pinned: WorkerRef | None = None
+        self,
+        lane: LaneState,
+        stage: int,
+        method: str,
+        tensors: dict,
+        pinned: WorkerRef | None = None,
+        *,
+        version: int | None = None,
     ) -> tuple[WorkerRef, Payload]:
+        """``version``: the weight version the pinned worker's forward named (sent to whichever
+        worker serves the call: another's names mean nothing to it, and it says so by using
+        its current weights)."""
         balancer = self._balancers[stage]
         samples = tensors["tokens"].shape[0]
         tried: set[str] = set()
@@ -190,7 +206,7 @@ class PipelineRouter:
                 reply = await self._client.call(
                     worker.address,
                     method,
-                    {"stage": stage},
+                    {"stage": stage} if version is None else {"stage": stage, "version": version},
                     tensors,
                     timeout_s=self._config.request_timeout_s,
                 )
@@ -238,7 +254,8 @@ class PipelineRouter:
         inputs = tokens[:, :-1].astype(np.int32)  # (B, T)
         labels = tokens[:, 1:].astype(np.int32)  # (B, T)
         checks = self.checks
-        hops: list[tuple[WorkerRef, np.ndarray | None]] = []  # per stage: worker, input it got
+        # per stage: the worker, the input it got, the weight version its forward named
+        hops: list[tuple[WorkerRef, np.ndarray | None, int | None]] = []
         boundary = None
         for stage in range(self.stages - 1):
             tensors = {"tokens": inputs} if boundary is None else {"tokens": inputs, "boundary": boundary}
@@ -246,11 +263,12 @@ class PipelineRouter:
                 self._injections.reached(Trigger.FORWARD)
             worker, reply = await self._call(lane, stage, Method.FORWARD, tensors)
             answer = {"boundary": reply.tensors["boundary"]}
+            version = weight_version(reply.meta)
             if checks.due("forward"):
                 agreed = await checks.check("forward", stage, Method.FORWARD, tensors, worker, answer)
                 if agreed is not None:  # its worker stood apart: go on with the agreeing replica's
-                    worker, answer = agreed
-            hops.append((worker, boundary))
+                    (worker, answer), version = agreed, None
+            hops.append((worker, boundary, version))
             boundary = answer["boundary"]
         tail = self.stages - 1
         tail_inputs = {"tokens": inputs, "boundary": boundary, "labels": labels}
@@ -273,10 +291,10 @@ class PipelineRouter:
             raise SampleFailed(
                 f"the tail returned losses of shape {losses.shape} for {tokens.shape[0]} samples"
             )
-        self._witness([worker for worker, _ in hops] + [tail_worker], losses)
+        self._witness([worker for worker, _, _ in hops] + [tail_worker], losses)
         grad = answer["grad"]
         for stage in range(self.stages - 2, -1, -1):
-            forward_worker, sent = hops[stage]
+            forward_worker, sent, version = hops[stage]
             if self._injections.armed:
                 self._injections.reached(Trigger.BACKWARD)
             if self.corrupt_next_gradient:
@@ -286,7 +304,9 @@ class PipelineRouter:
             if sent is not None:
                 tensors["boundary"] = sent
             pinned = forward_worker if self._config.pin_backward else None
-            worker, reply = await self._call(lane, stage, Method.BACKWARD, tensors, pinned=pinned)
+            worker, reply = await self._call(
+                lane, stage, Method.BACKWARD, tensors, pinned=pinned, version=version
+            )
             if worker.node_id != forward_worker.node_id:
                 self.counters.fallbacks += 1
             grad = reply.tensors.get("grad")

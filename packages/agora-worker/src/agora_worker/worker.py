@@ -221,6 +221,24 @@ class Worker:
             "agora_worker_grad_norm", "Gradient norm before clipping, last step."
         )
         self._m_lr = self.metrics.gauge("agora_worker_learning_rate", "Learning rate of the last step.")
+        self._m_staleness = self.metrics.histogram(
+            "agora_worker_backward_staleness_steps",
+            "Optimizer steps between a sample's forward here and its backward, per sample.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+        )
+        versions = self.runtime.backend.versions
+        self.metrics.counter_from(
+            "agora_worker_backward_samples_total",
+            "Backward samples by the weights they recomputed under: their forward's kept version "
+            "(kept), the live weights, still their forward's (live), or the live weights because "
+            "their forward's version was no longer kept or unknown here (missed).",
+            ("weights",),
+            lambda: {
+                ("kept",): float(versions.kept_samples),
+                ("live",): float(versions.live_samples),
+                ("missed",): float(versions.missed_samples),
+            },
+        )
         self._m_resyncs = self.metrics.counter(
             "agora_worker_resyncs_total",
             "Times the worker sent itself back to weight sync: a step refused for an update far "
@@ -310,7 +328,17 @@ class Worker:
         # weights to averaging: the joiner's own samples never reach them (its moments may still
         # be those of the download, stale from weight sync).
         warmup = self.phases.phase is Phase.OPTIMIZER_SYNC
-        report = await asyncio.wrap_future(self.runtime.call(lambda: self.optimizer.apply(warmup=warmup)))
+        versions = self.runtime.backend.versions
+
+        def step() -> tuple[StepReport, list[tuple[int, int]]]:  # the step's backwards' staleness too
+            return self.optimizer.apply(warmup=warmup), versions.take_staleness()
+
+        report, staleness = await asyncio.wrap_future(self.runtime.call(step))
+        for steps, samples in staleness:
+            for _ in range(samples):
+                self._m_staleness.observe(steps)
+        stale = sum(steps * samples for steps, samples in staleness)
+        counted = sum(samples for _, samples in staleness)
         self.last_step = report
         self._m_step.set(report.step)
         self._m_norm.set(report.grad_norm)
@@ -335,6 +363,9 @@ class Worker:
             warmup=report.warmup,
             update_ratio=round(report.update_ratio, 4),
             seconds=round(report.seconds, 4),
+            # steps between its backwards' forwards and themselves: mean and most
+            staleness=round(stale / counted, 3) if counted else None,
+            staleness_max=max((steps for steps, _ in staleness), default=None),
         )
         return report
 

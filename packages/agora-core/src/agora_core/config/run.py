@@ -141,9 +141,13 @@ class OptimizerConfig:
     # A worker refuses a step whose update (per weight, in learning rates) is more than this
     # many times its recent steps' median, and re-enters weight sync; 0 turns the guard off.
     max_update_ratio: float = 4.0
+    # Weight copies a worker keeps so that a sample's backward recomputes its forward under the
+    # weights that forward used (0: under the current ones, whatever they are by then).
+    weight_versions: int = 2
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "lr", "must be positive")
+        require(self.weight_versions >= 0, "weight_versions", "must be >= 0")
         require(
             self.max_update_ratio == 0 or self.max_update_ratio >= 1,
             "max_update_ratio",

@@ -1,8 +1,9 @@
 """Runs one stage's forward and backward passes on its device (one compute thread calls it).
 
-A backward pass recomputes the stage's forward from the input the trainer sends back, under
-the worker's current weights: the worker keeps nothing between a sample's forward and its
-backward, so any request can be served in any order and a worker can vanish at any time.
+A backward pass recomputes the stage's forward from the input the trainer sends back: the
+worker keeps no per-request state between a sample's forward and its backward, so any request
+can be served in any order and a worker can vanish at any time. It recomputes under the
+weights the forward used while they are kept (``versions``), else under the current ones.
 
 On CUDA the blocks compute under bf16 autocast; the boundary codec runs in fp32 whatever the
 blocks do (``model.subspace``), and what leaves the stage (its output boundary, the gradient
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from agora_worker.optimizer.host import HostOptimizer
+from agora_worker.serving.versions import WeightVersions
 
 
 def pick_device(name: str) -> torch.device:
@@ -40,11 +42,15 @@ class StageBackend:
         device: torch.device,
         *,
         boundary_dtype: torch.dtype = torch.float32,
+        weight_versions: int = 0,
     ):
+        """``weight_versions``: weight copies kept for backwards (the run's
+        ``optimizer.weight_versions``)."""
         self.module = module
         self.optimizer = optimizer
         self.device = device
         self.boundary_dtype = boundary_dtype
+        self.versions = WeightVersions(optimizer.compute, keep=weight_versions)
 
     def _autocast(self):
         if self.device.type == "cuda":  # bf16 compute on accelerators, fp32 master weights on the host
@@ -63,6 +69,10 @@ class StageBackend:
         """A boundary payload or its gradient as it leaves: narrowed on the device, then copied."""
         return boundary.detach().to(self.boundary_dtype).cpu()
 
+    def mark_version(self) -> int:
+        """The name of the weights the next forward runs under (a backward sends it back)."""
+        return self.versions.mark(self.optimizer.step)
+
     def forward(self, tokens: torch.Tensor, boundary: torch.Tensor | None) -> torch.Tensor:
         """Head/body: the output boundary (B, T, k). Tail: logits are not served; use labels."""
         with torch.no_grad(), self._autocast():
@@ -78,12 +88,22 @@ class StageBackend:
         return losses.float().cpu()
 
     def backward(
-        self, tokens: torch.Tensor, boundary: torch.Tensor | None, grad: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        boundary: torch.Tensor | None,
+        grad: torch.Tensor,
+        *,
+        version: int | None = None,
     ) -> torch.Tensor | None:
-        """Recompute the forward, backpropagate ``grad`` (B, T, k) from the output, accumulate
+        """Recompute the forward (under ``version``'s weights, the name its forward's reply
+        gave, while they are kept), backpropagate ``grad`` (B, T, k) from the output, accumulate
         parameter gradients; returns the gradient for the input boundary (None for the head)."""
         inputs = None if boundary is None else self._leaf(boundary)
-        with self.optimizer.accumulating(tokens.shape[0]):  # nothing counts if it fails halfway
+        samples = tokens.shape[0]
+        with (
+            self.versions.using(version, step=self.optimizer.step, samples=samples),
+            self.optimizer.accumulating(samples),  # nothing counts if it fails halfway
+        ):
             with torch.enable_grad(), self._autocast():
                 out = self.module(self._to_device(tokens), inputs)
             torch.autograd.backward(out, self._to_device(grad).to(out.dtype))

@@ -59,7 +59,11 @@ def build_compute(run: RunConfig, stage: int, settings: WorkerSettings, metrics:
     if optimizer.transfers is not None:
         export_transfers(metrics, optimizer.transfers)
     backend = StageBackend(
-        module, optimizer, device, boundary_dtype=BOUNDARY_DTYPES[run.transport.boundary_dtype]
+        module,
+        optimizer,
+        device,
+        boundary_dtype=BOUNDARY_DTYPES[run.transport.boundary_dtype],
+        weight_versions=run.optimizer.weight_versions,
     )
     samples, tokens = batch_limits(
         settings,

@@ -1,6 +1,10 @@
 """The pipeline methods a worker serves to trainers: ``forward``, ``backward``, ``forward_backward``,
 and ``gradient`` (a backward's or the tail's result computed without training, for spot checks).
 
+A forward's reply names the weight version it ran under (meta ``version``); a trainer sends
+that name back with the sample's backward, which then recomputes under the same weights while
+the worker keeps them (``serving.versions``).
+
 Each request is checked before it is queued: it must be for this worker's stage, reach a
 worker trainers may use now (admitted, in an authorized run; not downloading, not in weight
 sync), and carry tensors of the
@@ -21,7 +25,7 @@ from agora_core.errors import BadRequest, NotServing, StageMismatch
 from agora_core.injection import NO_INJECTIONS, InjectionPoints, Trigger
 from agora_core.rpc import Payload, Request, RpcServer
 from agora_core.wire.dtypes import Tensor
-from agora_worker.serving.runtime import Op, Runtime
+from agora_worker.serving.runtime import VERSION, Op, Runtime
 from agora_worker.serving.tensors import activations, token_ids
 
 
@@ -114,14 +118,17 @@ class PipelineService:
         result = await self._runtime.submit(Op.FORWARD, inputs)
         if self._injections.armed:
             self._injections.reached(Trigger.FORWARD)
-        return Payload(tensors={"boundary": result["boundary"]})
+        return Payload(meta={VERSION: result[VERSION]}, tensors={"boundary": result["boundary"]})
 
     async def _on_backward(self, request: Request) -> Payload:
         tensors = self._check(request)
         if self._role == StageRole.TAIL:
             raise BadRequest("the tail trains with forward_backward, not backward")
         inputs = self._inputs(tensors, boundary=self._role != StageRole.HEAD, grad=True)
-        result = await self._runtime.submit(Op.BACKWARD, inputs)
+        version = request.meta.get(VERSION)  # _check: meta is a dict
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise BadRequest("backward's version must be the int its forward's reply named")
+        result = await self._runtime.submit(Op.BACKWARD, inputs, version=version)
         self._trained()
         if self._injections.armed:
             self._injections.reached(Trigger.BACKWARD)

@@ -2,7 +2,7 @@
 
 Connection handlers put each request on the forward or the backward queue. The compute thread
 always serves the queue whose oldest request is older, merges the requests waiting in that
-queue (same op, same sequence length) into one microbatch up to the configured maximum
+queue (same op, same sequence length; a backward, the same weight version) into one microbatch up to the configured maximum
 samples and tokens, runs it, and hands each caller its own slice of the result. A microbatch
 takes at most half of the samples that wait for it (but ``min_batch_samples`` when that many
 wait): a stage that swept its whole queue into one batch would send every lane downstream in
@@ -42,6 +42,8 @@ from agora_worker.serving.tensors import split_samples
 
 log = get_logger("worker.runtime")
 
+VERSION = "version"  # a forward's result: the name of the weights it ran under
+
 IDLE_WAIT_S = 0.5  # the compute thread re-checks for shutdown at least this often
 # A pair still shares the per-batch cost; with 4 the bottleneck of benchmarks/pipeline.py
 # dipped to 0.89-0.92 busy at 8 lanes (its stages' batches regrouped into waves of 4).
@@ -73,6 +75,11 @@ class Task:
         default_factory=lambda: world.monotonic()
     )  # read late: the world may be simulated
     cancelled: bool = False
+    version: int | None = None  # a backward: the weight version its forward ran under
+
+    def joins(self, first: Task) -> bool:
+        """Whether it may share ``first``'s microbatch: one op, length and weight version."""
+        return self.op == first.op and self.length == first.length and self.version == first.version
 
     @property
     def samples(self) -> int:
@@ -181,12 +188,15 @@ class Runtime:
         with self._cond:
             return sum(t.samples for t in self._forward) + sum(t.samples for t in self._backward)
 
-    async def submit(self, op: Op, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def submit(
+        self, op: Op, inputs: dict[str, np.ndarray], *, version: int | None = None
+    ) -> dict[str, Any]:
         """Queue a request (checked numpy inputs) and wait for its share of the result, as
-        numpy arrays. Cancelling the wait (the caller's deadline) drops the request if it has
-        not started."""
+        numpy arrays (a forward's also names its weight version: ``VERSION``, which a backward
+        passes back as ``version``). Cancelling the wait (the caller's deadline) drops the
+        request if it has not started."""
         loop = asyncio.get_running_loop()
-        task = Task(op, inputs, loop.create_future(), loop)
+        task = Task(op, inputs, loop.create_future(), loop, version=version)
         with self._cond:
             (self._forward if op.queue == "forward" else self._backward).append(task)
             self._cond.notify()
@@ -219,17 +229,14 @@ class Runtime:
             return None
         queue = min(heads, key=lambda q: q[0].enqueued)  # the older request goes first
         first = queue.popleft()
-        alike = first.samples + sum(
-            t.samples for t in queue if t.op == first.op and t.length == first.length and not t.cancelled
-        )
+        alike = first.samples + sum(t.samples for t in queue if t.joins(first) and not t.cancelled)
         most = min(self.max_batch_samples, max(self.min_batch_samples, (alike + 1) // 2))
         batch, samples, tokens = [first], first.samples, first.samples * first.length
         kept: collections.deque[Task] = collections.deque()
         while queue:
             task = queue.popleft()
             fits = (
-                task.op == first.op
-                and task.length == first.length
+                task.joins(first)
                 and samples + task.samples <= most
                 and tokens + task.samples * task.length <= self.max_batch_tokens
             )
@@ -344,23 +351,27 @@ class Runtime:
         merged = {
             name: torch.from_numpy(np.concatenate([task.inputs[name] for task in batch])) for name in names
         }
-        outputs = self._compute_samples(batch[0].op, merged)
+        op, version = batch[0].op, batch[0].version
+        named = {VERSION: self.backend.mark_version()} if op == Op.FORWARD else {}
+        outputs = self._compute_samples(op, merged, version)
         bounds = np.cumsum([task.samples for task in batch])[:-1]
         split = {name: split_samples(tensor, bounds) for name, tensor in outputs.items()}
-        return [{name: parts[i] for name, parts in split.items()} for i in range(len(batch))]
+        return [{**{name: parts[i] for name, parts in split.items()}, **named} for i in range(len(batch))]
 
-    def _compute_samples(self, op: Op, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _compute_samples(
+        self, op: Op, inputs: dict[str, torch.Tensor], version: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Run ``op`` on merged inputs (B, ...); out of device memory, on each half in turn."""
         try:
-            return self._run_op(op, inputs)
+            return self._run_op(op, inputs, version)
         except torch.cuda.OutOfMemoryError:
             samples = inputs["tokens"].shape[0]
             if samples == 1:
                 raise
         half = (samples + 1) // 2
         self._lower_limits(samples, half, inputs["tokens"].shape[1])
-        first = self._compute_samples(op, {name: t[:half] for name, t in inputs.items()})
-        second = self._compute_samples(op, {name: t[half:] for name, t in inputs.items()})
+        first = self._compute_samples(op, {name: t[:half] for name, t in inputs.items()}, version)
+        second = self._compute_samples(op, {name: t[half:] for name, t in inputs.items()}, version)
         return {name: torch.cat([first[name], second[name]]) for name in first}
 
     def _lower_limits(self, samples: int, half: int, length: int) -> None:
@@ -376,14 +387,16 @@ class Runtime:
             max_batch_tokens=self.max_batch_tokens,
         )
 
-    def _run_op(self, op: Op, merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _run_op(
+        self, op: Op, merged: dict[str, torch.Tensor], version: int | None = None
+    ) -> dict[str, torch.Tensor]:
         backend = self.backend
         if op == Op.FORWARD:
             return {"boundary": backend.forward(merged["tokens"], merged.get("boundary"))}
         if op == Op.EVALUATE:
             return {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
         if op == Op.BACKWARD:
-            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"])
+            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"], version=version)
             return {} if grad is None else {"grad": grad}
         if op == Op.GRADIENT:
             return backend.gradient(

@@ -1,6 +1,7 @@
 """The router as witness: a tail replica whose samples' loss jumps gets no new microbatch
 (logged once, counted) until its exclusion lapses, then shares the work again; a backward of a
-sample forwarded before its worker was distrusted still goes to that worker.
+sample forwarded before its worker was distrusted still goes to that worker, and carries the
+weight version its forward's reply named.
 
 The pipeline is in-process: a stand-in client answers every call like a head or a tail, with
 the loss each tail replica is set to give, so these run no sockets and no torch.
@@ -50,6 +51,8 @@ class StandInPipeline:
         ]
         self.by_address = {a.address: a.node_id for a in self.announcements}
         self.calls: list[tuple[str, str]] = []  # (node id, method)
+        self.metas: list[object] = []  # each call's meta, in call order
+        self.versions: dict[str, object] = {}  # what a worker's forward reply names as its version
         self.on_tail = lambda: None  # runs while a tail call is in flight
         self._rng = random.Random(0)
 
@@ -62,9 +65,11 @@ class StandInPipeline:
     async def call(self, address, method, meta, tensors, *, timeout_s) -> Payload:
         node_id = self.by_address[address]
         self.calls.append((node_id, method))
+        self.metas.append(meta)
         tokens = tensors["tokens"]  # (B, T)
         if method == Method.FORWARD:
-            return Payload(tensors={"boundary": np.zeros((*tokens.shape, K), np.float32)})
+            named = {"version": self.versions[node_id]} if node_id in self.versions else None
+            return Payload(meta=named, tensors={"boundary": np.zeros((*tokens.shape, K), np.float32)})
         if method == Method.FORWARD_BACKWARD:
             self.on_tail()
             mean = self.loss[node_id]
@@ -143,3 +148,16 @@ async def test_a_backward_goes_to_its_forward_worker_even_if_distrusted_meanwhil
     assert router.witness.samples(1, "t0") == 0  # its losses were not recorded
     await run_microbatches(router, 1)
     assert router.witness.samples(1, "t0") == 2
+
+
+async def test_a_backward_carries_the_weight_version_its_forward_named_and_only_an_int():
+    pipeline = StandInPipeline([["h0"], ["b0"], ["t0"]], {"t0": 3.8})
+    router, _ = make_router(pipeline, pipeline.balancers(3))
+    pipeline.versions = {"h0": 7 << 32 | 3, "b0": "not a version"}  # the body's word is no int
+    await run_microbatches(router, 1)
+    backwards = {
+        node_id: meta
+        for (node_id, method), meta in zip(pipeline.calls, pipeline.metas, strict=True)
+        if method == Method.BACKWARD
+    }
+    assert backwards == {"b0": {"stage": 1}, "h0": {"stage": 0, "version": 7 << 32 | 3}}

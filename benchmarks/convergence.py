@@ -27,8 +27,8 @@ separate the causes:
     flight (``_delayed_reference.py``): the delay alone;
   * ``versions``: ``optimizer.weight_versions = 0`` (backwards recompute under the live
     weights), one worker per stage;
-  * ``cadence``: two workers per stage averaging every step, and their whole vector each
-    round, against the config's cadence and segments.
+  * ``averaging``: two workers per stage averaging at other cadences and fractions (every 5
+    steps a quarter or all of the weights, every step all of them) than the config's.
 ``--smoke``: 16 samples of one config, one worker per stage, one round, the delay ablation.
 """
 
@@ -63,6 +63,7 @@ SHARDS = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swa
 SWARM_RUN_S = 3600.0  # one `swarm.py up`, start to end
 HELD_OUT_SAMPLES = 64
 LANES, MICROBATCH = 2, 4  # the main job's (tools/swarm.py up's defaults)
+AVERAGING_ABLATIONS = ((5, 4), (5, 1), (1, 1))  # (cadence_steps, segments)
 # Settings per config, by [section] and key; every other one is examples/tiny.toml's.
 CONFIGS: dict[str, dict[str, dict[str, str]]] = {
     "tiny": {},
@@ -320,10 +321,17 @@ def main() -> None:
                     )
                 unversioned = configured("tiny", {"optimizer": {"weight_versions": "0"}}, folder)
                 case("weight_versions_0_r1", unversioned, samples, 1)
-                every_step = configured(
-                    "tiny", {"averaging": {"cadence_steps": "1", "segments": "1"}}, folder
-                )
-                case("cadence_1_segments_1_r2", every_step, samples, 2)
+                averaging = run.averaging
+                for cadence, segments in AVERAGING_ABLATIONS:
+                    if (cadence, segments) == (averaging.cadence_steps, averaging.segments):
+                        continue  # the main cases' own
+                    every = {"averaging": {"cadence_steps": str(cadence), "segments": str(segments)}}
+                    case(
+                        f"cadence_{cadence}_segments_{segments}_r2",
+                        configured("tiny", every, folder),
+                        samples,
+                        2,
+                    )
     report.finish()
 
 

@@ -2,8 +2,8 @@
 
 Connection handlers put each request on the forward or the backward queue. The compute thread
 always serves the queue whose oldest request is older, merges the requests waiting in that
-queue (same op, same sequence length; a backward, the same weight version) into one microbatch up to the configured maximum
-samples and tokens, runs it, and hands each caller its own slice of the result. A microbatch
+queue (same op, same sequence length; a backward, the same weight version) into one
+microbatch up to the configured maximum samples and tokens, runs it, and hands each caller its own slice of the result. A microbatch
 takes at most half of the samples that wait for it (but ``min_batch_samples`` when that many
 wait): a stage that swept its whole queue into one batch would send every lane downstream in
 one wave, the next stage would batch that wave whole again, and the pipeline would move in

@@ -3,18 +3,16 @@
 A worker keeps nothing per request, so a backward recomputes the stage's forward. Between a
 sample's forward and its backward the stage may have stepped (other samples completed a
 batch) or averaged; recomputing under the new weights gives gradients of a forward nobody ran,
-against an output gradient the later stages computed for the old one. With many samples in
-flight that mismatch grows with every step, and the swarm trails a centralized run by more
-the more it pipelines (benchmarks/convergence.py measures it by lanes).
+against an output gradient the later stages computed for the old one.
 
 So each forward's reply names its weights' version, a trainer sends that name back with the
 backward, and the backward recomputes under those weights when they are still kept: the last
 ``keep`` versions that served a forward, each a copy of the stage's trained parameters made
 when it served its first forward. The gradient still lands on the live weights at the next
-step (one step of delay at most for most samples, as in any pipelined run); what goes is the
-mismatch. A version that aged out, or a name this worker never gave (another worker's, or
-from before a restart: names carry a random prefix per process), recomputes under the live
-weights, as before, and is counted.
+step: what goes is the mismatch, not the delay of a pipelined run (benchmarks/convergence.py
+measures both: the delay costs far more). A version that aged out, or a name this worker
+never gave (another worker's, or from before a restart: names carry a random prefix per
+process), recomputes under the live weights, as before, and is counted.
 
 A version changes whenever any trained parameter was written in place (a step, an averaging
 round's delta, a state install): torch counts in-place writes per tensor (``_version``), so
@@ -26,10 +24,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import secrets
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from agora_core import world
 
 # Names of versions whose step is remembered (to measure staleness) without their weights.
 REMEMBERED_VERSIONS = 256
@@ -46,7 +45,7 @@ class WeightVersions:
             raise ValueError("keep must be >= 0")
         self._params = list(params)
         self.keep = keep
-        self._prefix = secrets.randbits(20) << NAME_BITS
+        self._prefix = world.rng().getrandbits(20) << NAME_BITS  # a simulation's replays alike
         self._counter = 0
         self._fingerprint: tuple[int, ...] | None = None
         self._kept: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()

@@ -21,7 +21,8 @@ class GatedBackend:
         self.started = threading.Event()
         self.batches: list[tuple[str, int]] = []
         self.lengths: list[int] = []  # each batch's sequence length
-        self.versions: list[int | None] = []  # each backward batch's weight version
+        self.versions: list[list[int | None]] = []  # each backward batch's per-sample versions
+        self.kept = {7, 8}  # versions whose weights are kept apart; any other name: the live ones
         self.marked = 0
 
     def _run(self, op: str, tokens: torch.Tensor) -> None:
@@ -41,8 +42,11 @@ class GatedBackend:
         self.marked += 1
         return 100 + self.marked
 
-    def backward(self, tokens, boundary, grad, *, version=None):
-        self.versions.append(version)
+    def weights_of(self, version):
+        return version if version in self.kept else 0
+
+    def backward(self, tokens, boundary, grad, *, versions=None):
+        self.versions.append(versions)
         self._run("backward", tokens)
         return grad * 3
 
@@ -184,7 +188,7 @@ async def test_a_control_whose_asker_gave_up_leaves_the_compute_thread_serving(r
     assert rt._thread.is_alive()
 
 
-async def test_a_forward_names_its_weights_and_only_backwards_of_one_version_share_a_batch(runtime):
+async def test_a_forward_names_its_weights_and_only_backwards_of_the_same_weights_share_a_batch(runtime):
     rt, backend = runtime
     backend.gate.set()
     named = await rt.submit(Op.FORWARD, sample(1))
@@ -193,14 +197,16 @@ async def test_a_forward_names_its_weights_and_only_backwards_of_one_version_sha
     blocker = asyncio.create_task(rt.submit(Op.FORWARD, sample(1)))
     await wait_until_async(lambda: len(backend.batches) == 2, what="the blocking batch to start")
     grad = {"grad": np.ones((1, 4, 2), dtype=np.float32)}
+    # 7 and 8 have kept weights of their own; 30, 31 and a backward naming none recompute under
+    # the live ones, so they are one kind
+    names = [8, 7, 30, 8, 7, 31, 8, 7, None]
     tasks = [
-        asyncio.create_task(rt.submit(Op.BACKWARD, {**sample(2), **grad}, version=7 if i % 2 else 8))
-        for i in range(6)
+        asyncio.create_task(rt.submit(Op.BACKWARD, {**sample(2), **grad}, version=name)) for name in names
     ]
-    await wait_until_async(lambda: rt.queued_samples == 6, what="six backwards queued")
+    await wait_until_async(lambda: rt.queued_samples == len(names), what="the backwards queued")
     backend.gate.set()
     await asyncio.gather(blocker, *tasks)
-    # three of each version wait: a pair of each, then the third of each alone -- never mixed,
-    # and each batch ran under its own version
-    assert [size for _op, size in backend.batches[2:]] == [2, 2, 1, 1]
-    assert backend.versions == [8, 7, 8, 7]
+    # three of each kind wait: a pair of each, then the third of each alone -- never mixed,
+    # each sample named to the backend by its own forward's version
+    assert [size for _op, size in backend.batches[2:]] == [2, 2, 2, 1, 1, 1]
+    assert backend.versions == [[8, 8], [7, 7], [30, 31], [8], [7], [None]]

@@ -70,7 +70,7 @@ def step(b: StageBackend, seed: int) -> None:
     """Train the stage one step on another sample (forward and backward at once): its
     weights change."""
     tokens, boundary, grad = inputs(seed)
-    b.backward(tokens, boundary, grad, version=b.mark_version())
+    b.backward(tokens, boundary, grad, versions=[b.mark_version()])
     assert b.optimizer.apply().applied
 
 
@@ -87,7 +87,7 @@ def test_a_backward_after_a_step_recomputes_under_its_forwards_weights():
     step(b, seed=2)
     after = weights(b)
     assert any(not torch.equal(x, y) for x, y in zip(before, after, strict=True))
-    input_grad = b.backward(tokens, boundary, grad, version=name)
+    input_grad = b.backward(tokens, boundary, grad, versions=[name])
     assert torch.allclose(input_grad, expected_input_grad)
     assert all(torch.allclose(g, e) for g, e in zip(grads(b), expected, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(weights(b), after, strict=True))  # live weights back
@@ -104,8 +104,8 @@ def test_without_kept_weights_or_with_a_foreign_name_the_live_weights_are_used()
     twin = backend(keep=0)
     step(twin, seed=2)
     expected = twin.backward(tokens, boundary, grad)  # under the stepped weights
-    assert torch.allclose(b.backward(tokens, boundary, grad, version=name), expected)
-    assert torch.allclose(b.backward(tokens, boundary, grad, version=12345), expected)  # never given
+    assert torch.allclose(b.backward(tokens, boundary, grad, versions=[name]), expected)
+    assert torch.allclose(b.backward(tokens, boundary, grad, versions=[12345]), expected)  # never given
     assert b.versions.missed_samples == 2
     assert b.versions.take_staleness() == [(0, 1), (1, 1)]  # a name it never gave has no step
 
@@ -118,11 +118,36 @@ def test_only_the_newest_versions_are_kept_and_a_failed_backward_restores_the_li
     second = b.mark_version()
     step(b, seed=3)
     live = weights(b)
-    b.backward(tokens, boundary, grad, version=first)  # aged out: live weights
+    b.backward(tokens, boundary, grad, versions=[first])  # aged out: live weights
     assert b.versions.missed_samples == 1 and b.versions.kept_samples == 0
     b.optimizer.discard_gradients()
     b.module.fail = True
     with pytest.raises(RuntimeError, match="injected"):
-        b.backward(tokens, boundary, grad, version=second)  # kept, swapped in, then it fails
+        b.backward(tokens, boundary, grad, versions=[second])  # kept, swapped in, then it fails
     assert all(torch.equal(x, y) for x, y in zip(weights(b), live, strict=True))
     assert b.optimizer.samples == 0  # nothing of the failed backward counts
+
+
+def test_backwards_batch_by_the_weights_they_recompute_under_and_each_sample_counts_by_its_name():
+    b = backend(keep=2)
+    tokens, boundary, grad = inputs(1)
+    gone = b.mark_version()
+    step(b, seed=2)
+    kept = b.mark_version()
+    step(b, seed=3)
+    live = b.mark_version()  # the second copy kept: gone's aged out
+    b.versions.take_staleness()
+    counted = lambda: (b.versions.kept_samples, b.versions.live_samples, b.versions.missed_samples)  # noqa: E731
+    before = counted()
+    # gone aged out and live is live: both recompute under the live weights, so they are one kind
+    assert b.weights_of(gone) == b.weights_of(live) == b.weights_of(None) != b.weights_of(kept)
+    two = (torch.cat([tokens, tokens]), torch.cat([boundary, boundary]), torch.cat([grad, grad]))
+    b.backward(*two, versions=[gone, live])
+    assert [n - m for n, m in zip(counted(), before, strict=True)] == [0, 1, 1]
+    assert b.versions.take_staleness() == [(2, 1), (0, 1)]
+    before = weights(b)
+    with pytest.raises(ValueError, match="mixes"):
+        b.backward(*two, versions=[kept, live])
+    assert all(torch.equal(x, y) for x, y in zip(weights(b), before, strict=True))
+    with pytest.raises(ValueError, match="2 samples"):
+        b.backward(*two, versions=[live])

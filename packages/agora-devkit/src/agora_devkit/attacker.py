@@ -156,9 +156,9 @@ def _computes_wrongly(attack: str, after_forwards: int) -> None:
             return stale(self, honest_evaluate, tokens, boundary, labels), grad
         return wrong(losses), wrong(grad)
 
-    def backward(self, tokens, boundary, grad, *, version=None):
+    def backward(self, tokens, boundary, grad, *, versions=None):
         found = honest_backward(
-            self, tokens, boundary, grad, version=version
+            self, tokens, boundary, grad, versions=versions
         )  # its own training stays honest
         if found is None or served[0] < after_forwards or attack == "stale":
             return found

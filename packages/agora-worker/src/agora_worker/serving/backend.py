@@ -13,6 +13,7 @@ for its input boundary) leaves in ``boundary_dtype``, the run's ``transport.boun
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -87,21 +88,31 @@ class StageBackend:
         self.module.delay("forward", tokens.shape[0])
         return losses.float().cpu()
 
+    def weights_of(self, version: int | None) -> int:
+        """Which weights a backward of ``version``'s forward recomputes under
+        (``WeightVersions.weights_of``): backwards of one answer may share a batch."""
+        return self.versions.weights_of(version)
+
     def backward(
         self,
         tokens: torch.Tensor,
         boundary: torch.Tensor | None,
         grad: torch.Tensor,
         *,
-        version: int | None = None,
+        versions: Sequence[int | None] | None = None,
     ) -> torch.Tensor | None:
-        """Recompute the forward (under ``version``'s weights, the name its forward's reply
-        gave, while they are kept), backpropagate ``grad`` (B, T, k) from the output, accumulate
-        parameter gradients; returns the gradient for the input boundary (None for the head)."""
+        """Recompute the forward (under the weights each sample's forward ran under, named in
+        ``versions`` per sample as the forwards' replies gave them, while kept; one
+        ``weights_of`` answer for all), backpropagate ``grad`` (B, T, k) from the output,
+        accumulate parameter gradients; returns the gradient for the input boundary (None for
+        the head)."""
         inputs = None if boundary is None else self._leaf(boundary)
         samples = tokens.shape[0]
+        names = [None] * samples if versions is None else list(versions)
+        if len(names) != samples:
+            raise ValueError(f"{len(names)} versions named for {samples} samples")
         with (
-            self.versions.using(version, step=self.optimizer.step, samples=samples),
+            self.versions.using(names, step=self.optimizer.step),
             self.optimizer.accumulating(samples),  # nothing counts if it fails halfway
         ):
             with torch.enable_grad(), self._autocast():

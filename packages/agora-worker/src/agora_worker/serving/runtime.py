@@ -2,7 +2,7 @@
 
 Connection handlers put each request on the forward or the backward queue. The compute thread
 always serves the queue whose oldest request is older, merges the requests waiting in that
-queue (same op, same sequence length; a backward, the same weight version) into one
+queue (same op, same sequence length; a backward, the same weights to recompute under) into one
 microbatch up to the configured maximum samples and tokens, runs it, and hands each caller its own slice of the result. A microbatch
 takes at most half of the samples that wait for it (but ``min_batch_samples`` when that many
 wait): a stage that swept its whole queue into one batch would send every lane downstream in
@@ -76,10 +76,11 @@ class Task:
     )  # read late: the world may be simulated
     cancelled: bool = False
     version: int | None = None  # a backward: the weight version its forward ran under
+    weights: int = 0  # a backward: the weights it recomputes under (set as its batch forms)
 
     def joins(self, first: Task) -> bool:
-        """Whether it may share ``first``'s microbatch: one op, length and weight version."""
-        return self.op == first.op and self.length == first.length and self.version == first.version
+        """Whether it may share ``first``'s microbatch: one op, length and weights."""
+        return self.op == first.op and self.length == first.length and self.weights == first.weights
 
     @property
     def samples(self) -> int:
@@ -228,6 +229,9 @@ class Runtime:
         if not heads:
             return None
         queue = min(heads, key=lambda q: q[0].enqueued)  # the older request goes first
+        if queue is self._backward:  # which weights each recomputes under, as of now
+            for task in queue:
+                task.weights = self.backend.weights_of(task.version)
         first = queue.popleft()
         alike = first.samples + sum(t.samples for t in queue if t.joins(first) and not t.cancelled)
         most = min(self.max_batch_samples, max(self.min_batch_samples, (alike + 1) // 2))
@@ -351,27 +355,29 @@ class Runtime:
         merged = {
             name: torch.from_numpy(np.concatenate([task.inputs[name] for task in batch])) for name in names
         }
-        op, version = batch[0].op, batch[0].version
+        op = batch[0].op
         named = {VERSION: self.backend.mark_version()} if op == Op.FORWARD else {}
-        outputs = self._compute_samples(op, merged, version)
+        versions = [task.version for task in batch for _ in range(task.samples)]  # per sample
+        outputs = self._compute_samples(op, merged, versions)
         bounds = np.cumsum([task.samples for task in batch])[:-1]
         split = {name: split_samples(tensor, bounds) for name, tensor in outputs.items()}
         return [{**{name: parts[i] for name, parts in split.items()}, **named} for i in range(len(batch))]
 
     def _compute_samples(
-        self, op: Op, inputs: dict[str, torch.Tensor], version: int | None = None
+        self, op: Op, inputs: dict[str, torch.Tensor], versions: list[int | None]
     ) -> dict[str, torch.Tensor]:
-        """Run ``op`` on merged inputs (B, ...); out of device memory, on each half in turn."""
+        """Run ``op`` on merged inputs (B, ...), ``versions`` naming each sample's forward's
+        weights; out of device memory, on each half in turn."""
         try:
-            return self._run_op(op, inputs, version)
+            return self._run_op(op, inputs, versions)
         except torch.cuda.OutOfMemoryError:
             samples = inputs["tokens"].shape[0]
             if samples == 1:
                 raise
         half = (samples + 1) // 2
         self._lower_limits(samples, half, inputs["tokens"].shape[1])
-        first = self._compute_samples(op, {name: t[:half] for name, t in inputs.items()}, version)
-        second = self._compute_samples(op, {name: t[half:] for name, t in inputs.items()}, version)
+        first = self._compute_samples(op, {name: t[:half] for name, t in inputs.items()}, versions[:half])
+        second = self._compute_samples(op, {name: t[half:] for name, t in inputs.items()}, versions[half:])
         return {name: torch.cat([first[name], second[name]]) for name in first}
 
     def _lower_limits(self, samples: int, half: int, length: int) -> None:
@@ -388,7 +394,7 @@ class Runtime:
         )
 
     def _run_op(
-        self, op: Op, merged: dict[str, torch.Tensor], version: int | None = None
+        self, op: Op, merged: dict[str, torch.Tensor], versions: list[int | None]
     ) -> dict[str, torch.Tensor]:
         backend = self.backend
         if op == Op.FORWARD:
@@ -396,7 +402,9 @@ class Runtime:
         if op == Op.EVALUATE:
             return {"loss": backend.evaluate(merged["tokens"], merged["boundary"], merged["labels"])}
         if op == Op.BACKWARD:
-            grad = backend.backward(merged["tokens"], merged.get("boundary"), merged["grad"], version=version)
+            grad = backend.backward(
+                merged["tokens"], merged.get("boundary"), merged["grad"], versions=versions
+            )
             return {} if grad is None else {"grad": grad}
         if op == Op.GRADIENT:
             return backend.gradient(

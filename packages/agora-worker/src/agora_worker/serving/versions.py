@@ -12,7 +12,10 @@ when it served its first forward. The gradient still lands on the live weights a
 step: what goes is the mismatch, not the delay of a pipelined run (benchmarks/convergence.py
 measures both: the delay costs far more). A version that aged out, or a name this worker
 never gave (another worker's, or from before a restart: names carry a random prefix per
-process), recomputes under the live weights, as before, and is counted.
+process), recomputes under the live weights, as before, and is counted. Backwards batch by
+the weights they recompute under (``weights_of``), not by name: every name that resolves to
+the live weights shares a batch with every other, so a step with samples in flight does not
+split the backward queue into one batch per name.
 
 A version changes whenever any trained parameter was written in place (a step, an averaging
 round's delta, a state install): torch counts in-place writes per tensor (``_version``), so
@@ -33,6 +36,7 @@ from agora_core import world
 # Names of versions whose step is remembered (to measure staleness) without their weights.
 REMEMBERED_VERSIONS = 256
 NAME_BITS = 32  # the counter's bits; a random prefix per process sits above them
+LIVE = 0  # weights_of: the live weights (no version is ever named 0)
 
 
 class WeightVersions:
@@ -79,27 +83,44 @@ class WeightVersions:
                     self._kept.popitem(last=False)
         return self.current
 
+    def _live(self, name: int | None) -> bool:
+        return name is not None and name == self.current and self._written() == self._fingerprint
+
+    def weights_of(self, name: int | None) -> int:
+        """The weights a backward of version ``name``'s forward recomputes under: that name
+        while its copy is kept and it is not the live version, else ``LIVE``. Backwards of
+        one answer may share a batch, whatever their names."""
+        if name is None or name not in self._kept or self._live(name):
+            return LIVE
+        return name
+
     @contextlib.contextmanager
-    def using(self, name: int | None, *, step: int, samples: int) -> Iterator[None]:
-        """Run a backward of ``samples`` at optimizer step ``step`` under version ``name``'s
-        weights: the live ones if they are that version (or it is gone), else its kept copy,
-        swapped in for the block and swapped back after, even on failure."""
-        forward_step = self._steps.get(name) if name is not None else None
-        if forward_step is not None:
-            self._staleness.append((max(0, step - forward_step), samples))
-        live = name == self.current and self._written() == self._fingerprint
-        kept = None if live else self._kept.get(name) if name is not None else None
-        if kept is None:
-            if live:
+    def using(self, names: Sequence[int | None], *, step: int) -> Iterator[None]:
+        """Run a backward of ``len(names)`` samples, each named by its forward's version, at
+        optimizer step ``step``, under their weights (one answer of ``weights_of`` for all:
+        ValueError otherwise): a kept copy swapped in for the block and swapped back after,
+        even on failure, or the live weights."""
+        counts = collections.Counter(names)
+        answers = {self.weights_of(name) for name in counts}
+        if len(answers) > 1:
+            raise ValueError("a backward batch mixes samples of different weights")
+        weights = answers.pop() if answers else LIVE
+        for name, samples in counts.items():
+            forward_step = self._steps.get(name) if name is not None else None
+            if forward_step is not None:
+                self._staleness.append((max(0, step - forward_step), samples))
+            if weights != LIVE:
+                self.kept_samples += samples
+            elif self._live(name):
                 self.live_samples += samples
             else:
                 self.missed_samples += samples
+        if weights == LIVE:
             yield
             return
-        self.kept_samples += samples
         held = [p.data for p in self._params]
         try:
-            for p, copy in zip(self._params, kept, strict=True):
+            for p, copy in zip(self._params, self._kept[weights], strict=True):
                 p.data = copy  # the tensor stays the optimizer's; only its storage is swapped
             yield
         finally:

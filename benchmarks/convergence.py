@@ -39,6 +39,7 @@ import contextlib
 import json
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
 SHARDS = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swarm.py default)
 SWARM_RUN_S = 3600.0  # one `swarm.py up`, start to end
+EXPORT_S = 600.0  # exporting its model from the workers' checkpoints
 HELD_OUT_SAMPLES = 64
 LANES, MICROBATCH = 2, 4  # the main job's (tools/swarm.py up's defaults)
 AVERAGING_ABLATIONS = ((5, 4), (5, 1), (1, 1))  # (cadence_steps, segments)
@@ -115,7 +117,7 @@ class Reference:
 @dataclass
 class SwarmRun:
     losses: np.ndarray  # per sample, in the reference's order
-    held_out: float | None
+    held_out: float
     rate: float
     staleness: float | None  # mean steps between forward and backward, non-tail stages
     samples_per_step: float | None
@@ -183,20 +185,34 @@ def swarm(
     )
     flags = ["--config", str(config), "--shards", str(SHARDS), "--samples", str(samples)]
     flags += ["--replicas", str(replicas), "--lanes", str(lanes), "--microbatch", str(microbatch)]
-    flags += ["--no-monitor", "--status-interval", "60"]
+    # --no-export: the model is scored here, on the reference's held-out samples; up's own
+    # evaluation, sample and centralized comparison would only cost time
+    flags += ["--no-monitor", "--no-export", "--status-interval", "60"]
     done = run_up(flags, run_dir, timeout_s=SWARM_RUN_S, capture=True)
     found = re.search(r"training throughput: ([\d.]+) samples/s", done.stdout)
     if done.returncode != 0 or not found:
         raise RuntimeError(
             f"swarm.py up failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         )
+    model = run_dir / "model.safetensors"
+    export = [sys.executable, str(ROOT / "tools" / "export_model.py"), "--config", str(config)]
+    export += [
+        "--out",
+        str(model),
+        "--shards",
+        str(SHARDS),
+        "--from-checkpoints",
+        str(run_dir / "checkpoints"),
+    ]
+    exported = subprocess.run(export, capture_output=True, text=True, timeout=EXPORT_S)
+    if exported.returncode != 0:
+        raise RuntimeError(f"export_model.py failed ({exported.returncode}):\n{exported.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "trainer-0.losses.jsonl").read_text().splitlines()]
     by_id = {r["id"]: r["loss"] for r in rows}
     missing = [i for i in ref.order if i not in by_id]
     if missing:
         raise RuntimeError(f"the swarm in {run_dir} lost {len(missing)} of the reference's samples")
     run = load_run_config(str(run_dir / "run.toml"))
-    model = run_dir / "model.safetensors"
     steps = log_events(run_dir, "optimizer_step")
     stale = [float(s["staleness"]) for s in steps if s.get("staleness", "None") != "None"]
     counts = [int(s["samples"]) for s in steps if s.get("applied") == "True"]
@@ -207,7 +223,7 @@ def swarm(
     )
     return SwarmRun(
         losses=np.array([by_id[i] for i in ref.order]),
-        held_out=score(model, run, held_out) if model.exists() else None,
+        held_out=score(model, run, held_out),
         rate=float(found.group(1)),
         staleness=statistics.fmean(stale) if stale else None,
         samples_per_step=statistics.fmean(counts) if counts else None,
@@ -231,16 +247,15 @@ def report_case(
             ratio=statistics.median([o / base for o in ours]),
             target="ratio <= 1.015" if replicas == 1 else None,
         )
-    scored = [r.held_out for r in runs if r.held_out is not None]
-    if scored:
-        report.add(
-            f"{name}_held_out",
-            statistics.median(scored),
-            "nats/token",
-            baseline=ref.held_out,
-            ratio=statistics.median([s / ref.held_out for s in scored]),
-            target="ratio <= 1.03" if replicas is not None and replicas >= 2 else None,
-        )
+    scored = [r.held_out for r in runs]
+    report.add(
+        f"{name}_held_out",
+        statistics.median(scored),
+        "nats/token",
+        baseline=ref.held_out,
+        ratio=statistics.median([s / ref.held_out for s in scored]),
+        target="ratio <= 1.03" if replicas is not None and replicas >= 2 else None,
+    )
     report.add(f"{name}_samples_per_s", statistics.median([r.rate for r in runs]), "samples/s")
     for label, values, unit in (
         ("staleness", [r.staleness for r in runs], "steps"),

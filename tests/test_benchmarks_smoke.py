@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ BENCHMARKS = ROOT / "benchmarks"
 SMOKE_DEADLINE_S = 150  # benchmarks/_harness.py's SMOKE_DEADLINE_S
 BACKSTOP_S = SMOKE_DEADLINE_S + 30
 PARALLEL = 2  # smoke runs at a time
+# Smoke runs that start a swarm or several worker processes: each keeps both cores busy.
+HEAVY = {"ablation_backward", "byzantine", "churn", "convergence", "efficiency", "join", "preemption"}
 # Benchmarks that another test runs whole, named with that test.
 RUN_ELSEWHERE = {"join_churn": "tests/test_swarm_join_churn.py runs it for one seed"}
 
@@ -37,6 +40,7 @@ def test_every_benchmark_is_smoked_or_run_elsewhere():
     names = benchmark_names()
     assert "transport" in names and "dht" in names, names  # the glob found the folder
     assert set(RUN_ELSEWHERE) <= set(names), "a benchmark named in RUN_ELSEWHERE no longer exists"
+    assert HEAVY <= set(names), "a benchmark named in HEAVY no longer exists"
     for name in names:
         source = (BENCHMARKS / f"{name}.py").read_text()
         assert "_harness.parse(" in source, f"benchmarks/{name}.py does not parse its arguments with _harness"
@@ -71,23 +75,71 @@ def run_smoke(name: str) -> SmokeRun:
     return SmokeRun(None if timed_out else proc.returncode, out, err)
 
 
+class SmokeQueue:
+    """Runs the smoke runs PARALLEL at a time, in order, but at most one of the HEAVY at a time:
+    while one runs, the next light one goes ahead of a waiting heavy one (two heavy ones on two
+    cores slow each other to their deadlines)."""
+
+    def __init__(self, names: list[str]):
+        self.futures: dict[str, concurrent.futures.Future] = {
+            name: concurrent.futures.Future() for name in names
+        }
+        self._pending = list(names)
+        self._heavy_running = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(PARALLEL)]
+        for thread in self._threads:
+            thread.start()
+
+    def _take(self) -> str | None:
+        """The next run this thread may start, once it may (None: none left, or closed)."""
+        with self._changed:
+            while not self._closed and self._pending:
+                for name in self._pending:
+                    if name not in HEAVY or not self._heavy_running:
+                        self._pending.remove(name)
+                        self._heavy_running |= name in HEAVY
+                        return name
+                # only heavy ones left, one running: it ends within its backstop
+                self._changed.wait(timeout=BACKSTOP_S + 30)
+            return None
+
+    def _work(self) -> None:
+        while (name := self._take()) is not None:
+            try:
+                self.futures[name].set_result(run_smoke(name))
+            except BaseException as exc:  # the test that waits for it reports it
+                self.futures[name].set_exception(exc)
+            finally:
+                with self._changed:
+                    self._heavy_running &= name not in HEAVY
+                    self._changed.notify_all()
+
+    def close(self) -> None:
+        """Start nothing more; the started runs finish within their backstop."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=BACKSTOP_S + 60)
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(request) -> Iterator[dict[str, concurrent.futures.Future]]:
-    """The smoke runs of the benchmarks this session selected, PARALLEL at a time, started in
-    the order their tests run: each test then waits about as long as its own run. Most of a
-    smoke run's time is start-up and waiting, so two share the two cores well."""
+    """The smoke runs of the benchmarks this session selected, started in the order their
+    tests run (``SmokeQueue``): each test then waits about as long as its own run. Most of a
+    light run's time is start-up and waiting, so it shares the two cores well."""
     selected = [
         item.callspec.params["name"]
         for item in request.session.items
         if item.originalname == "test_benchmark_smoke" and hasattr(item, "callspec")
     ]
-    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {name: pool.submit(run_smoke, name) for name in selected}
-        try:
-            yield futures
-        finally:
-            for future in futures.values():
-                future.cancel()  # those not started; the started ones finish within their deadline
+    queue = SmokeQueue(selected)
+    try:
+        yield queue.futures
+    finally:
+        queue.close()
 
 
 @pytest.mark.slow

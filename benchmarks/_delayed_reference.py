@@ -10,6 +10,9 @@ Here every sample is trained one at a time under exactly those weights (forward 
 under the same ones, as a worker that keeps its forwards' weights does), in the reference's
 order, one process, no messages, no averaging: what remains of the gap between this and the
 reference is the delay alone. With ``in_flight`` 0 it reproduces the reference's losses.
+A late sample's non-tail gradients go by the run's ``optimizer.stale_gradients``, as a
+worker's do: added to the step they land in ("apply"), or left out ("drop"; the sample still
+counts toward the batch, and the tail, never late, keeps its gradient).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def delayed_losses(run, shards_dir: str, samples: int, in_flight: int) -> list[f
             boundary = functional_call(module, params, (tokens, boundary))
         loss = model.stages[-1](tokens, boundary, labels)  # the tail: its live weights
         loss.sum().backward()
+        if behind < index // batch and run.optimizer.stale_gradients == "drop":
+            used = []  # its forward ran before the step it lands in: stale
         for module, params in used:  # into the live weights' gradients, for the next step
             for name, param in module.named_parameters():
                 grad = params[name].grad if param.requires_grad else None

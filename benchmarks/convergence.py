@@ -24,9 +24,12 @@ separate the causes:
   * ``lanes``: 1 lane of 8 and 4 lanes of 4 against 2 of 4, one worker per stage: more
     samples in flight, more steps between a forward and its backward;
   * ``delay``: no swarm at all, the reference trained with the main job's 8 samples in
-    flight (``_delayed_reference.py``): the delay alone;
+    flight (``_delayed_reference.py``): the delay alone, with the late samples' stale
+    gradients dropped (the default) and applied;
   * ``versions``: ``optimizer.weight_versions = 0`` (backwards recompute under the live
     weights), one worker per stage;
+  * ``stale gradients``: ``optimizer.stale_gradients = "apply"`` (a backward whose forward
+    ran before the last step adds its gradient to the next one), one worker per stage;
   * ``averaging``: two workers per stage averaging at other cadences and fractions (every 5
     steps a quarter or all of the weights, every step all of them) than the config's.
 ``--smoke``: 16 samples of one config, one worker per stage, one round, the delay ablation.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import re
 import statistics
@@ -52,6 +56,8 @@ from _churn_swarm import ensure_shards, run_up  # benchmarks/ is on sys.path as 
 from _delayed_reference import delayed_losses
 from _report import Report
 from agora_core.config import load_run_config
+from agora_core.config.run import STALE_GRADIENTS
+from agora_localswarm.results import export_command
 from agora_model.reference import train as reference_train
 from agora_trainer.data.held_out import validation_samples
 from agora_trainer.data.shards import open_shard_set
@@ -101,7 +107,7 @@ def configured(name: str, settings: dict[str, dict[str, str]], folder: Path) -> 
         else:
             out.append(line)
     out += [f"{k} = {v}" for k, v in pending.items()]
-    tag = "-".join(f"{k}{v}" for values in settings.values() for k, v in values.items())
+    tag = "-".join(f"{k}{v.strip(chr(34))}" for values in settings.values() for k, v in values.items())
     path = folder / f"{name}{'-' + tag if tag else ''}.toml"
     path.write_text("\n".join(out) + "\n")
     return path
@@ -195,15 +201,7 @@ def swarm(
             f"swarm.py up failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         )
     model = run_dir / "model.safetensors"
-    export = [sys.executable, str(ROOT / "tools" / "export_model.py"), "--config", str(config)]
-    export += [
-        "--out",
-        str(model),
-        "--shards",
-        str(SHARDS),
-        "--from-checkpoints",
-        str(run_dir / "checkpoints"),
-    ]
+    export = export_command(run_dir, str(config), SHARDS, model)
     exported = subprocess.run(export, capture_output=True, text=True, timeout=EXPORT_S)
     if exported.returncode != 0:
         raise RuntimeError(f"export_model.py failed ({exported.returncode}):\n{exported.stderr[-2000:]}")
@@ -318,17 +316,23 @@ def main() -> None:
         if args.ablations:
             tiny, samples = configured("tiny", {}, folder), args.ablation_samples
             ref = ref_for(tiny, samples)
-            report.note(f"delay: the reference with {LANES * MICROBATCH} samples in flight")
             run = load_run_config(str(tiny))
-            delayed = np.array(delayed_losses(run, str(SHARDS), samples, LANES * MICROBATCH))
-            for q, (ours, base) in enumerate(zip(quarters(delayed), quarters(ref.losses), strict=True)):
-                report.add(
-                    f"delay_{LANES * MICROBATCH}_in_flight_loss_q{q + 1}",
-                    ours,
-                    "nats/token",
-                    baseline=base,
-                    ratio=ours / base,
+            for policy in STALE_GRADIENTS:
+                report.note(
+                    f"delay: the reference with {LANES * MICROBATCH} samples in flight, stale gradients {policy}"
                 )
+                delayed_run = dataclasses.replace(
+                    run, optimizer=dataclasses.replace(run.optimizer, stale_gradients=policy)
+                )
+                delayed = np.array(delayed_losses(delayed_run, str(SHARDS), samples, LANES * MICROBATCH))
+                for q, (ours, base) in enumerate(zip(quarters(delayed), quarters(ref.losses), strict=True)):
+                    report.add(
+                        f"delay_{LANES * MICROBATCH}_in_flight_{policy}_loss_q{q + 1}",
+                        ours,
+                        "nats/token",
+                        baseline=base,
+                        ratio=ours / base,
+                    )
             if not args.smoke:
                 for lanes, microbatch in ((1, 8), (4, 4)):
                     case(
@@ -336,6 +340,8 @@ def main() -> None:
                     )
                 unversioned = configured("tiny", {"optimizer": {"weight_versions": "0"}}, folder)
                 case("weight_versions_0_r1", unversioned, samples, 1)
+                applied = configured("tiny", {"optimizer": {"stale_gradients": '"apply"'}}, folder)
+                case("stale_gradients_apply_r1", applied, samples, 1)
                 averaging = run.averaging
                 for cadence, segments in AVERAGING_ABLATIONS:
                     if (cadence, segments) == (averaging.cadence_steps, averaging.segments):

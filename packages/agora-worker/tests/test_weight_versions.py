@@ -17,6 +17,7 @@ from agora_core.config import OptimizerConfig
 from agora_core.contract import StageRole
 from agora_worker.optimizer.host import HostOptimizer
 from agora_worker.serving.backend import StageBackend
+from agora_worker.serving.versions import LIVE
 
 K, T = 4, 3
 CONFIG = dataclasses.replace(OptimizerConfig(), lr=0.1, warmup_steps=0)
@@ -42,10 +43,11 @@ class Body(nn.Module):
         """No injected compute time."""
 
 
-def backend(keep: int) -> StageBackend:
+def backend(keep: int, stale_gradients: str = "apply") -> StageBackend:
     module = Body()
+    optimizer = HostOptimizer(module, CONFIG, clip_threshold=10.0)
     return StageBackend(
-        module, HostOptimizer(module, CONFIG, clip_threshold=10.0), torch.device("cpu"), weight_versions=keep
+        module, optimizer, torch.device("cpu"), weight_versions=keep, stale_gradients=stale_gradients
     )
 
 
@@ -96,6 +98,29 @@ def test_a_backward_after_a_step_recomputes_under_its_forwards_weights():
     assert b.mark_version() != name  # the step made a new version
 
 
+def test_a_stale_backward_passes_its_input_gradient_on_and_drops_its_weight_gradient():
+    b = backend(keep=2, stale_gradients="drop")
+    tokens, boundary, grad = inputs(1)
+    name = b.mark_version()  # the forward's, at step 0
+    twin = backend(keep=2)
+    expected_input_grad = twin.backward(tokens, boundary, grad)
+    step(b, seed=2)
+    input_grad = b.backward(tokens, boundary, grad, versions=[name])  # lands in step 1: stale
+    assert torch.allclose(input_grad, expected_input_grad)
+    assert all(p.grad is None or not p.grad.any() for p in b.optimizer.compute)
+    assert (b.optimizer.samples, b.dropped_samples) == (1, 1)  # it still counts toward the step
+    # weights written in place without a step (an averaging round's delta): not stale
+    same_step = b.mark_version()
+    with torch.no_grad():
+        b.optimizer.compute[0].add_(0.01)
+    assert b.weights_of_each([same_step]) == [same_step]
+    b.backward(tokens, boundary, grad, versions=[same_step])
+    assert any(p.grad is not None and p.grad.any() for p in b.optimizer.compute)
+    assert (b.optimizer.samples, b.dropped_samples) == (2, 1)
+    with pytest.raises(ValueError, match="stale_gradients"):
+        backend(keep=2, stale_gradients="sometimes")
+
+
 def test_without_kept_weights_or_with_a_foreign_name_the_live_weights_are_used():
     b = backend(keep=0)
     tokens, boundary, grad = inputs(1)
@@ -140,7 +165,7 @@ def test_backwards_batch_by_the_weights_they_recompute_under_and_each_sample_cou
     counted = lambda: (b.versions.kept_samples, b.versions.live_samples, b.versions.missed_samples)  # noqa: E731
     before = counted()
     # gone aged out and live is live: both recompute under the live weights, so they are one kind
-    assert b.weights_of(gone) == b.weights_of(live) == b.weights_of(None) != b.weights_of(kept)
+    assert b.weights_of_each([gone, live, None, kept]) == [LIVE, LIVE, LIVE, kept]
     two = (torch.cat([tokens, tokens]), torch.cat([boundary, boundary]), torch.cat([grad, grad]))
     b.backward(*two, versions=[gone, live])
     assert [n - m for n, m in zip(counted(), before, strict=True)] == [0, 1, 1]

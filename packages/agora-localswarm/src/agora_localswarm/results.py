@@ -30,9 +30,7 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
     """The trained model from the workers' final checkpoints, its held-out loss and a sample."""
     model = run_dir / "model.safetensors"
     click.echo("what did the swarm learn? exporting the model from the workers' final checkpoints ...")
-    export = checkout.tool("export_model.py", "--config", config, "--out", str(model))
-    export += ["--shards", str(shards)]  # the model records the shards' tokenizer
-    if subprocess.run([*export, "--from-checkpoints", str(run_dir / "checkpoints")]).returncode != 0:
+    if subprocess.run(export_command(run_dir, config, shards, model)).returncode != 0:
         click.echo("no model exported (see the error above)")
         return
     evaluate = checkout.tool("evaluate.py", str(model), "--shards", str(shards))
@@ -48,6 +46,14 @@ def export_and_evaluate(run_dir: Path, config: str, shards: Path) -> None:
             f"{run_dir / 'checkpoints'}/<worker> (repeat it, one or more per stage) --out ... "
             "(or from live workers, --bootstrap, while a run is up)"
         )
+
+
+def export_command(run_dir: Path, config: str, shards: Path, model: Path) -> list[str]:
+    """The command line that exports the swarm's model to ``model`` from the final
+    checkpoints its workers left in ``run_dir``."""
+    export = checkout.tool("export_model.py", "--config", config, "--out", str(model))
+    export += ["--shards", str(shards)]  # the model records the shards' tokenizer
+    return [*export, "--from-checkpoints", str(run_dir / "checkpoints")]
 
 
 def last_training_loss(run_dir: Path, samples: int = LAST_SAMPLES) -> float | None:

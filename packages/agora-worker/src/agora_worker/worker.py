@@ -239,6 +239,15 @@ class Worker:
                 ("missed",): float(versions.missed_samples),
             },
         )
+        backend = self.runtime.backend
+        self.metrics.counter_from(
+            "agora_worker_stale_gradients_dropped_samples_total",
+            "Backward samples whose weight gradient was dropped: their forward ran before this "
+            "worker's last optimizer step (optimizer.stale_gradients = drop).",
+            (),
+            lambda: {(): float(backend.dropped_samples)},
+        )
+        self._dropped_logged = 0  # backend.dropped_samples as of the last step's log line
         self._m_resyncs = self.metrics.counter(
             "agora_worker_resyncs_total",
             "Times the worker sent itself back to weight sync: a step refused for an update far "
@@ -330,10 +339,12 @@ class Worker:
         warmup = self.phases.phase is Phase.OPTIMIZER_SYNC
         versions = self.runtime.backend.versions
 
-        def step() -> tuple[StepReport, list[tuple[int, int]]]:  # the step's backwards' staleness too
-            return self.optimizer.apply(warmup=warmup), versions.take_staleness()
+        def step() -> tuple[StepReport, list[tuple[int, int]], int]:  # its backwards' staleness too
+            return self.optimizer.apply(warmup=warmup), versions.take_staleness(), backend.dropped_samples
 
-        report, staleness = await asyncio.wrap_future(self.runtime.call(step))
+        backend = self.runtime.backend
+        report, staleness, dropped_total = await asyncio.wrap_future(self.runtime.call(step))
+        dropped, self._dropped_logged = dropped_total - self._dropped_logged, dropped_total
         for steps, samples in staleness:
             for _ in range(samples):
                 self._m_staleness.observe(steps)
@@ -366,6 +377,7 @@ class Worker:
             # steps between its backwards' forwards and themselves: mean and most
             staleness=round(stale / counted, 3) if counted else None,
             staleness_max=max((steps for steps, _ in staleness), default=None),
+            stale_dropped=dropped,  # of its samples, those whose stale weight gradient was dropped
         )
         return report
 

@@ -127,6 +127,9 @@ class DataConfig:
         return {"bytes": BYTE_VOCAB, "bpe": self.vocab_size}.get(self.tokenizer)
 
 
+STALE_GRADIENTS = ("drop", "apply")  # optimizer.stale_gradients
+
+
 @dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
     lr: float = 3.0e-4  # assumed peak learning rate
@@ -144,10 +147,18 @@ class OptimizerConfig:
     # Weight copies a worker keeps so that a sample's backward recomputes its forward under the
     # weights that forward used (0: under the current ones, whatever they are by then).
     weight_versions: int = 2
+    # A backward whose forward ran before this worker's last optimizer step (a sample in flight
+    # across the step): "drop" passes its input gradient on but adds nothing to the weights'
+    # gradient, "apply" adds it to the next step's. A gradient one step stale trains worse than
+    # none (benchmarks/convergence.py, the delay ablation). The tail's backward is never stale.
+    stale_gradients: str = "drop"
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "lr", "must be positive")
         require(self.weight_versions >= 0, "weight_versions", "must be >= 0")
+        require(
+            self.stale_gradients in STALE_GRADIENTS, "stale_gradients", f"must be one of {STALE_GRADIENTS}"
+        )
         require(
             self.max_update_ratio == 0 or self.max_update_ratio >= 1,
             "max_update_ratio",

@@ -44,14 +44,21 @@ class StageBackend:
         *,
         boundary_dtype: torch.dtype = torch.float32,
         weight_versions: int = 0,
+        stale_gradients: str = "apply",
     ):
         """``weight_versions``: weight copies kept for backwards (the run's
-        ``optimizer.weight_versions``)."""
+        ``optimizer.weight_versions``); ``stale_gradients``: "drop" keeps no weight gradient
+        of a backward whose kept weights are an earlier step's, "apply" keeps it (the run's
+        ``optimizer.stale_gradients``)."""
+        if stale_gradients not in ("drop", "apply"):
+            raise ValueError(f"stale_gradients must be 'drop' or 'apply', not {stale_gradients!r}")
         self.module = module
         self.optimizer = optimizer
         self.device = device
         self.boundary_dtype = boundary_dtype
         self.versions = WeightVersions(optimizer.compute, keep=weight_versions)
+        self.drop_stale = stale_gradients == "drop"
+        self.dropped_samples = 0  # backward samples whose stale weight gradient was dropped
 
     def _autocast(self):
         if self.device.type == "cuda":  # bf16 compute on accelerators, fp32 master weights on the host
@@ -88,10 +95,10 @@ class StageBackend:
         self.module.delay("forward", tokens.shape[0])
         return losses.float().cpu()
 
-    def weights_of(self, version: int | None) -> int:
-        """Which weights a backward of ``version``'s forward recomputes under
-        (``WeightVersions.weights_of``): backwards of one answer may share a batch."""
-        return self.versions.weights_of(version)
+    def weights_of_each(self, versions: Sequence[int | None]) -> list[int]:
+        """Which weights a backward of each version's forward recomputes under, as of one
+        moment (``WeightVersions.weights_of``): backwards of one answer may share a batch."""
+        return self.versions.weights_of_each(versions)
 
     def backward(
         self,
@@ -105,21 +112,36 @@ class StageBackend:
         ``versions`` per sample as the forwards' replies gave them, while kept; one
         ``weights_of`` answer for all), backpropagate ``grad`` (B, T, k) from the output,
         accumulate parameter gradients; returns the gradient for the input boundary (None for
-        the head)."""
+        the head). Under an earlier step's weights with ``drop_stale``, only the input's
+        gradient is taken (none at all at the head); the samples still count toward the step."""
         inputs = None if boundary is None else self._leaf(boundary)
         samples = tokens.shape[0]
         names = [None] * samples if versions is None else list(versions)
         if len(names) != samples:
             raise ValueError(f"{len(names)} versions named for {samples} samples")
         with (
-            self.versions.using(names, step=self.optimizer.step),
+            self.versions.using(names, step=self.optimizer.step) as stale,
             self.optimizer.accumulating(samples),  # nothing counts if it fails halfway
         ):
+            if stale and self.drop_stale:
+                found = None if inputs is None else self._input_gradient(tokens, inputs, grad)
+                self.dropped_samples += samples
+                return None if found is None else self._outgoing(found)
             with torch.enable_grad(), self._autocast():
                 out = self.module(self._to_device(tokens), inputs)
             torch.autograd.backward(out, self._to_device(grad).to(out.dtype))
             self.module.delay("backward", tokens.shape[0])
         return None if inputs is None else self._outgoing(inputs.grad)
+
+    def _input_gradient(self, tokens: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient for the input boundary of the stage's output gradient ``grad``, with no
+        parameter gradient accumulated."""
+        with torch.enable_grad(), self._autocast():
+            out = self.module(self._to_device(tokens), inputs)
+            (found,) = torch.autograd.grad(out, inputs, self._to_device(grad).to(out.dtype))
+        self.module.delay("forward", tokens.shape[0])
+        self.module.delay("backward", tokens.shape[0])
+        return found
 
     def gradient(
         self,
@@ -133,18 +155,14 @@ class StageBackend:
         returns, computed without training: the input gradient, and the tail's per-sample
         losses. Only the input's gradient is taken, so no parameter gradient accumulates."""
         inputs = self._leaf(boundary)
+        if labels is None:
+            return {"grad": self._outgoing(self._input_gradient(tokens, inputs, grad))}
         with torch.enable_grad(), self._autocast():
-            if labels is None:
-                out = self.module(self._to_device(tokens), inputs)
-                (found,) = torch.autograd.grad(out, inputs, self._to_device(grad).to(out.dtype))
-                result = {}
-            else:
-                losses = self.module(self._to_device(tokens), inputs, self._to_device(labels))
-                (found,) = torch.autograd.grad(losses.sum(), inputs)
-                result = {"loss": losses.detach().float().cpu()}
+            losses = self.module(self._to_device(tokens), inputs, self._to_device(labels))
+            (found,) = torch.autograd.grad(losses.sum(), inputs)
         self.module.delay("forward", tokens.shape[0])
         self.module.delay("backward", tokens.shape[0])
-        return {**result, "grad": self._outgoing(found)}
+        return {"loss": losses.detach().float().cpu(), "grad": self._outgoing(found)}
 
     def forward_backward(
         self, tokens: torch.Tensor, boundary: torch.Tensor, labels: torch.Tensor

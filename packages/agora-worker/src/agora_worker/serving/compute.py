@@ -64,6 +64,7 @@ def build_compute(run: RunConfig, stage: int, settings: WorkerSettings, metrics:
         device,
         boundary_dtype=BOUNDARY_DTYPES[run.transport.boundary_dtype],
         weight_versions=run.optimizer.weight_versions,
+        stale_gradients=run.optimizer.stale_gradients,
     )
     samples, tokens = batch_limits(
         settings,

@@ -2,18 +2,18 @@
 
 Connection handlers put each request on the forward or the backward queue. The compute thread
 always serves the queue whose oldest request is older, merges the requests waiting in that
-queue (same op, same sequence length; a backward, the same weights to recompute under) into one
-microbatch up to the configured maximum samples and tokens, runs it, and hands each caller its own slice of the result. A microbatch
-takes at most half of the samples that wait for it (but ``min_batch_samples`` when that many
-wait): a stage that swept its whole queue into one batch would send every lane downstream in
-one wave, the next stage would batch that wave whole again, and the pipeline would move in
-convoys that leave its slowest stage idle while a wave is away (measured: the bottleneck of
-benchmarks/pipeline.py busy 0.86 of the time at 32 lanes, 0.99 with the halving). If a merged
-batch fails, its requests are retried one by one, so a poisoned request fails alone. A batch
-that runs out of device memory is split in halves and each half run (again split if need
-be); the coalescing limits come down to the half that is tried next. Gradients and samples
-of the attempt that ran out count nowhere (``HostOptimizer.accumulating``), so every sample
-counts once.
+queue (same op, same sequence length; a backward, the same weights to recompute under) into
+one microbatch up to the configured maximum samples and tokens, runs it, and hands each caller
+its own slice of the result. A microbatch takes at most half of the samples that wait for it
+(but ``min_batch_samples`` when that many wait): a stage that swept its whole queue into one
+batch would send every lane downstream in one wave, the next stage would batch that wave whole
+again, and the pipeline would move in convoys that leave its slowest stage idle while a wave
+is away (benchmarks/pipeline.py measures the bottleneck's busy share). If a merged batch
+fails, its requests are retried one by one, so a poisoned request fails alone. A batch that
+runs out of device memory is split in halves and each half run (again split if need be); the
+coalescing limits come down to the half that is tried next. Gradients and samples of the
+attempt that ran out count nowhere (``HostOptimizer.accumulating``), so every sample counts
+once.
 Control work (an optimizer step) runs on the same thread between batches, so weights never
 change under a running batch.
 """
@@ -39,6 +39,7 @@ from agora_core.observability.logs import get_logger
 from agora_core.observability.metrics import NodeMetrics
 from agora_worker.serving.backend import StageBackend
 from agora_worker.serving.tensors import split_samples
+from agora_worker.serving.versions import LIVE
 
 log = get_logger("worker.runtime")
 
@@ -76,7 +77,7 @@ class Task:
     )  # read late: the world may be simulated
     cancelled: bool = False
     version: int | None = None  # a backward: the weight version its forward ran under
-    weights: int = 0  # a backward: the weights it recomputes under (set as its batch forms)
+    weights: int = LIVE  # a backward: the weights it recomputes under (set as its batch forms)
 
     def joins(self, first: Task) -> bool:
         """Whether it may share ``first``'s microbatch: one op, length and weights."""
@@ -230,8 +231,10 @@ class Runtime:
             return None
         queue = min(heads, key=lambda q: q[0].enqueued)  # the older request goes first
         if queue is self._backward:  # which weights each recomputes under, as of now
-            for task in queue:
-                task.weights = self.backend.weights_of(task.version)
+            for task, weights in zip(
+                queue, self.backend.weights_of_each([t.version for t in queue]), strict=True
+            ):
+                task.weights = weights
         first = queue.popleft()
         alike = first.samples + sum(t.samples for t in queue if t.joins(first) and not t.cancelled)
         most = min(self.max_batch_samples, max(self.min_batch_samples, (alike + 1) // 2))

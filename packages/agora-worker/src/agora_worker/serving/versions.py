@@ -8,9 +8,10 @@ against an output gradient the later stages computed for the old one.
 So each forward's reply names its weights' version, a trainer sends that name back with the
 backward, and the backward recomputes under those weights when they are still kept: the last
 ``keep`` versions that served a forward, each a copy of the stage's trained parameters made
-when it served its first forward. The gradient still lands on the live weights at the next
-step: what goes is the mismatch, not the delay of a pipelined run (benchmarks/convergence.py
-measures both: the delay costs far more). A version that aged out, or a name this worker
+when it served its first forward. What goes is the mismatch, not the delay of a pipelined
+run: such a gradient still belongs to an earlier step's weights (benchmarks/convergence.py
+measures both: the delay costs far more), and ``using`` says so, for the backend to apply its
+run's ``optimizer.stale_gradients`` policy. A version that aged out, or a name this worker
 never gave (another worker's, or from before a restart: names carry a random prefix per
 process), recomputes under the live weights, as before, and is counted. Backwards batch by
 the weights they recompute under (``weights_of``), not by name: every name that resolves to
@@ -90,18 +91,22 @@ class WeightVersions:
         """The weights a backward of version ``name``'s forward recomputes under: that name
         while its copy is kept and it is not the live version, else ``LIVE``. Backwards of
         one answer may share a batch, whatever their names."""
-        if name is None or name not in self._kept or self._live(name):
-            return LIVE
-        return name
+        return self.weights_of_each([name])[0]
+
+    def weights_of_each(self, names: Sequence[int | None]) -> list[int]:
+        """``weights_of`` for each name, the live weights' fingerprint read once for all."""
+        live = self.current if self._written() == self._fingerprint else None
+        return [LIVE if name is None or name not in self._kept or name == live else name for name in names]
 
     @contextlib.contextmanager
-    def using(self, names: Sequence[int | None], *, step: int) -> Iterator[None]:
+    def using(self, names: Sequence[int | None], *, step: int) -> Iterator[bool]:
         """Run a backward of ``len(names)`` samples, each named by its forward's version, at
         optimizer step ``step``, under their weights (one answer of ``weights_of`` for all:
         ValueError otherwise): a kept copy swapped in for the block and swapped back after,
-        even on failure, or the live weights."""
+        even on failure, or the live weights. Yields whether those are the weights of an
+        earlier step than ``step``: the batch's gradient is stale."""
         counts = collections.Counter(names)
-        answers = {self.weights_of(name) for name in counts}
+        answers = set(self.weights_of_each(list(counts)))
         if len(answers) > 1:
             raise ValueError("a backward batch mixes samples of different weights")
         weights = answers.pop() if answers else LIVE
@@ -116,13 +121,13 @@ class WeightVersions:
             else:
                 self.missed_samples += samples
         if weights == LIVE:
-            yield
+            yield False
             return
         held = [p.data for p in self._params]
         try:
             for p, copy in zip(self._params, self._kept[weights], strict=True):
                 p.data = copy  # the tensor stays the optimizer's; only its storage is swapped
-            yield
+            yield self._steps.get(weights, step) < step
         finally:
             for p, data in zip(self._params, held, strict=True):
                 p.data = data

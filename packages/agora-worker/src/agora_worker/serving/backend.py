@@ -97,7 +97,7 @@ class StageBackend:
 
     def weights_of_each(self, versions: Sequence[int | None]) -> list[int]:
         """Which weights a backward of each version's forward recomputes under, as of one
-        moment (``WeightVersions.weights_of``): backwards of one answer may share a batch."""
+        moment (``WeightVersions.weights_of_each``): backwards of one answer may share a batch."""
         return self.versions.weights_of_each(versions)
 
     def backward(
@@ -110,7 +110,7 @@ class StageBackend:
     ) -> torch.Tensor | None:
         """Recompute the forward (under the weights each sample's forward ran under, named in
         ``versions`` per sample as the forwards' replies gave them, while kept; one
-        ``weights_of`` answer for all), backpropagate ``grad`` (B, T, k) from the output,
+        ``weights_of_each`` answer for all), backpropagate ``grad`` (B, T, k) from the output,
         accumulate parameter gradients; returns the gradient for the input boundary (None for
         the head). Under an earlier step's weights with ``drop_stale``, only the input's
         gradient is taken (none at all at the head); the samples still count toward the step."""

@@ -14,7 +14,7 @@ measures both: the delay costs far more), and ``using`` says so, for the backend
 run's ``optimizer.stale_gradients`` policy. A version that aged out, or a name this worker
 never gave (another worker's, or from before a restart: names carry a random prefix per
 process), recomputes under the live weights, as before, and is counted. Backwards batch by
-the weights they recompute under (``weights_of``), not by name: every name that resolves to
+the weights they recompute under (``weights_of_each``), not by name: every name that resolves to
 the live weights shares a batch with every other, so a step with samples in flight does not
 split the backward queue into one batch per name.
 
@@ -37,7 +37,7 @@ from agora_core import world
 # Names of versions whose step is remembered (to measure staleness) without their weights.
 REMEMBERED_VERSIONS = 256
 NAME_BITS = 32  # the counter's bits; a random prefix per process sits above them
-LIVE = 0  # weights_of: the live weights (no version is ever named 0)
+LIVE = 0  # weights_of_each: the live weights (no version is ever named 0)
 
 
 class WeightVersions:
@@ -87,21 +87,17 @@ class WeightVersions:
     def _live(self, name: int | None) -> bool:
         return name is not None and name == self.current and self._written() == self._fingerprint
 
-    def weights_of(self, name: int | None) -> int:
-        """The weights a backward of version ``name``'s forward recomputes under: that name
-        while its copy is kept and it is not the live version, else ``LIVE``. Backwards of
-        one answer may share a batch, whatever their names."""
-        return self.weights_of_each([name])[0]
-
     def weights_of_each(self, names: Sequence[int | None]) -> list[int]:
-        """``weights_of`` for each name, the live weights' fingerprint read once for all."""
+        """The weights a backward of each name's forward recomputes under, as of now: that
+        name while its copy is kept and it is not the live version, else ``LIVE``. Backwards
+        of one answer may share a batch, whatever their names."""
         live = self.current if self._written() == self._fingerprint else None
         return [LIVE if name is None or name not in self._kept or name == live else name for name in names]
 
     @contextlib.contextmanager
     def using(self, names: Sequence[int | None], *, step: int) -> Iterator[bool]:
         """Run a backward of ``len(names)`` samples, each named by its forward's version, at
-        optimizer step ``step``, under their weights (one answer of ``weights_of`` for all:
+        optimizer step ``step``, under their weights (one answer of ``weights_of_each`` for all:
         ValueError otherwise): a kept copy swapped in for the block and swapped back after,
         even on failure, or the live weights. Yields whether those are the weights of an
         earlier step than ``step``: the batch's gradient is stale."""

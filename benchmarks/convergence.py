@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
 SHARDS = ROOT / ".agora" / "shards" / "bpe-512"  # the main job's own (tools/swarm.py default)
 SWARM_RUN_S = 3600.0  # one `swarm.py up`, start to end
+QUOTE = '"'  # a TOML string's, left out of file names
 EXPORT_S = 600.0  # exporting its model from the workers' checkpoints
 HELD_OUT_SAMPLES = 64
 LANES, MICROBATCH = 2, 4  # the main job's (tools/swarm.py up's defaults)
@@ -107,7 +108,7 @@ def configured(name: str, settings: dict[str, dict[str, str]], folder: Path) -> 
         else:
             out.append(line)
     out += [f"{k} = {v}" for k, v in pending.items()]
-    tag = "-".join(f"{k}{v.strip(chr(34))}" for values in settings.values() for k, v in values.items())
+    tag = "-".join(f"{k}{v.strip(QUOTE)}" for values in settings.values() for k, v in values.items())
     path = folder / f"{name}{'-' + tag if tag else ''}.toml"
     path.write_text("\n".join(out) + "\n")
     return path

@@ -337,12 +337,12 @@ class Worker:
         # weights to averaging: the joiner's own samples never reach them (its moments may still
         # be those of the download, stale from weight sync).
         warmup = self.phases.phase is Phase.OPTIMIZER_SYNC
-        versions = self.runtime.backend.versions
+        backend = self.runtime.backend
+        versions = backend.versions
 
         def step() -> tuple[StepReport, list[tuple[int, int]], int]:  # its backwards' staleness too
             return self.optimizer.apply(warmup=warmup), versions.take_staleness(), backend.dropped_samples
 
-        backend = self.runtime.backend
         report, staleness, dropped_total = await asyncio.wrap_future(self.runtime.call(step))
         dropped, self._dropped_logged = dropped_total - self._dropped_logged, dropped_total
         for steps, samples in staleness:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from agora_core.config.run import STALE_GRADIENTS
 from agora_worker.optimizer.host import HostOptimizer
 from agora_worker.serving.versions import WeightVersions
 
@@ -50,8 +51,8 @@ class StageBackend:
         ``optimizer.weight_versions``); ``stale_gradients``: "drop" keeps no weight gradient
         of a backward whose kept weights are an earlier step's, "apply" keeps it (the run's
         ``optimizer.stale_gradients``)."""
-        if stale_gradients not in ("drop", "apply"):
-            raise ValueError(f"stale_gradients must be 'drop' or 'apply', not {stale_gradients!r}")
+        if stale_gradients not in STALE_GRADIENTS:
+            raise ValueError(f"stale_gradients must be one of {STALE_GRADIENTS}, not {stale_gradients!r}")
         self.module = module
         self.optimizer = optimizer
         self.device = device

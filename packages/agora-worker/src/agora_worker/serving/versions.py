@@ -84,14 +84,15 @@ class WeightVersions:
                     self._kept.popitem(last=False)
         return self.current
 
-    def _live(self, name: int | None) -> bool:
-        return name is not None and name == self.current and self._written() == self._fingerprint
+    def _live_name(self) -> int | None:
+        """The live weights' version name, None once they were written since it was marked."""
+        return self.current if self._written() == self._fingerprint else None
 
     def weights_of_each(self, names: Sequence[int | None]) -> list[int]:
         """The weights a backward of each name's forward recomputes under, as of now: that
         name while its copy is kept and it is not the live version, else ``LIVE``. Backwards
         of one answer may share a batch, whatever their names."""
-        live = self.current if self._written() == self._fingerprint else None
+        live = self._live_name()
         return [LIVE if name is None or name not in self._kept or name == live else name for name in names]
 
     @contextlib.contextmanager
@@ -102,6 +103,7 @@ class WeightVersions:
         even on failure, or the live weights. Yields whether those are the weights of an
         earlier step than ``step``: the batch's gradient is stale."""
         counts = collections.Counter(names)
+        live = self._live_name()  # read once: the fingerprint covers every trained parameter
         answers = set(self.weights_of_each(list(counts)))
         if len(answers) > 1:
             raise ValueError("a backward batch mixes samples of different weights")
@@ -112,7 +114,7 @@ class WeightVersions:
                 self._staleness.append((max(0, step - forward_step), samples))
             if weights != LIVE:
                 self.kept_samples += samples
-            elif self._live(name):
+            elif name is not None and name == live:
                 self.live_samples += samples
             else:
                 self.missed_samples += samples
